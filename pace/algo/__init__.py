@@ -1,0 +1,1 @@
+"""DAPO: rewards → advantages (``advantages``), the policy loss (``loss``), the trainer (``trainer``)."""

@@ -1,0 +1,170 @@
+"""DAPO trainer on Accelerate (single process on CPU; FSDP with `accelerate launch` on GPUs).
+
+One training step = one batch of B groups = `trainer.mini_batches` optimizer updates; the policy
+version increments once per step. The batch is formed on rank 0 and scattered: every rank gets a
+contiguous share of trajectories, and the loss is normalised by the token count of the whole
+mini-batch across ranks (token-level loss, DESIGN §4), so the result does not depend on the
+number of ranks or micro-batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pace.algo.loss import dapo_loss
+from pace.records import Batch, Trajectory
+
+
+def _pad(seqs: list[list], value, dtype) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return torch.tensor([list(s) + [value] * (width - len(s)) for s in seqs], dtype=dtype)
+
+
+def collate(trajs: list[Trajectory], prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+response ids; per-position targets aligned to the next-token logits.
+
+    Position p of the logits predicts token p+1, so response token t (at absolute position
+    len(prompt)+t) is scored by logits at len(prompt)+t−1. All per-token tensors are [N, L−1].
+    """
+    ids, mask, lp_b, adv = [], [], [], []
+    for traj, prompt in zip(trajs, prompts):
+        full = prompt + traj.response_ids
+        n_p, n_r = len(prompt), len(traj.response_ids)
+        ids.append(full)
+        mask.append([0] * (n_p - 1) + [1] * n_r)
+        lp_b.append([0.0] * (n_p - 1) + list(traj.logprobs))
+        adv.append([traj.advantage] * (n_p - 1 + n_r))
+    input_ids = _pad(ids, 0, torch.long)
+    attention = _pad([[1] * len(s) for s in ids], 0, torch.long)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "targets": input_ids[:, 1:],
+        "loss_mask": _pad(mask, 0, torch.float32),
+        "logp_behavior": _pad(lp_b, 0.0, torch.float32),
+        "advantages": _pad(adv, 0.0, torch.float32),
+    }
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target and the entropy of each position's distribution (float32)."""
+    logits = logits.float() / temperature
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+class DAPOTrainer:
+    def __init__(self, model_path: str, cfg, accelerator):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.acc = accelerator
+        dtype = getattr(torch, cfg.model.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        t = cfg.trainer
+        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        warmup = max(1, t.warmup_steps * t.mini_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
+        self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
+        self.loss_fn = dapo_loss  # chosen once; M2PO / proximal variants arrive with issue #3
+        self.version = 0
+
+    # --- one training step ----------------------------------------------------------------
+    def step(self, batch: Batch | None) -> dict[str, float]:
+        """Train on ``batch`` (given on rank 0, None elsewhere). Returns rank-0 metrics."""
+        from accelerate.utils import broadcast_object_list
+
+        payload = [None]
+        if self.acc.is_main_process:
+            payload = [[(g.prompt_ids, g.trajectories) for g in batch.groups]]
+        if self.acc.num_processes > 1:
+            broadcast_object_list(payload, from_process=0)
+        groups = payload[0]
+
+        t0 = time.perf_counter()
+        self.model.train()
+        n_mini = self.cfg.trainer.mini_batches
+        per_mini = math.ceil(len(groups) / n_mini)
+        totals = {"loss": 0.0, "clipped": 0.0, "tokens": 0.0, "entropy": 0.0, "ratio": 0.0, "grad_norm": 0.0}
+        for m in range(n_mini):
+            mini = groups[m * per_mini : (m + 1) * per_mini]
+            pairs = [(p, t) for p, trajs in mini for t in trajs]
+            mine = pairs[self.acc.process_index :: self.acc.num_processes]
+            stats = self._update(mine)
+            for k in totals:
+                totals[k] += stats[k]
+        self.version += 1
+        tokens = max(totals["tokens"], 1.0)
+        return {
+            "train/loss": totals["loss"] / n_mini,
+            "train/clipfrac": totals["clipped"] / tokens,
+            "train/entropy": totals["entropy"] / tokens,
+            "train/ratio_mean": totals["ratio"] / tokens,
+            "train/grad_norm": totals["grad_norm"] / n_mini,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "time/train": time.perf_counter() - t0,
+        }
+
+    def _update(self, pairs: list[tuple[list[int], Trajectory]]) -> dict[str, float]:
+        """One optimizer update on this rank's share of a mini-batch (micro-batched)."""
+        local_tokens = torch.tensor(float(sum(len(t) for _, t in pairs)), device=self.acc.device)
+        total_tokens = self.acc.reduce(local_tokens, reduction="sum").item()
+        # DDP/FSDP average gradients over ranks; scale so the result is Σ_tokens / total_tokens.
+        norm = total_tokens / self.acc.num_processes
+        stats = {"loss": 0.0, "clipped": 0.0, "tokens": 0.0, "entropy": 0.0, "ratio": 0.0}
+        mb = self.cfg.trainer.micro_batch_size
+        # Every rank has >= 1 trajectory (checked at start), so each joins the gradient all-reduce.
+        chunks = [pairs[i : i + mb] for i in range(0, len(pairs), mb)]
+        for i, chunk in enumerate(chunks):
+            b = {k: v.to(self.acc.device) for k, v in collate([t for _, t in chunk], [p for p, _ in chunk]).items()}
+            sync = i == len(chunks) - 1
+            with contextlib.nullcontext() if sync else self.acc.no_sync(self.model):
+                logits = self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+                logp, entropy = token_logprobs(logits, b["targets"], self.cfg.rollout.temperature)
+                out = self.loss_fn(
+                    logp, b["logp_behavior"], b["advantages"], b["loss_mask"], norm,
+                    eps_low=self.cfg.algo.eps_low, eps_high=self.cfg.algo.eps_high, clip_ratio_c=self.cfg.algo.clip_ratio_c,
+                )
+                self.acc.backward(out.loss)
+            mask = b["loss_mask"]
+            stats["loss"] += out.loss.item() / self.acc.num_processes  # this rank's share of Σ/total
+            stats["clipped"] += out.clipped.item()
+            stats["tokens"] += mask.sum().item()
+            stats["entropy"] += (entropy * mask).sum().item()
+            stats["ratio"] += out.ratio_sum.item()
+        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats["grad_norm"] = float(grad_norm)
+        return self._reduce(stats)
+
+    def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
+        if self.acc.num_processes == 1:
+            return stats
+        keys = ["loss", "clipped", "tokens", "entropy", "ratio"]
+        t = self.acc.reduce(torch.tensor([stats[k] for k in keys], device=self.acc.device), reduction="sum")
+        out = dict(zip(keys, t.tolist()))
+        out["grad_norm"] = stats["grad_norm"]
+        return out
+
+    # --- weight sync ----------------------------------------------------------------------
+    def full_state_dict(self) -> list[tuple[str, torch.Tensor]] | None:
+        """Full (unsharded) weights as (name, tensor) on rank 0, None elsewhere. Collective under FSDP.
+
+        Tensors are copies: the trainer keeps updating its parameters while the rollout thread
+        loads these between engine steps.
+        """
+        state = self.acc.get_state_dict(self.model, unwrap=True)
+        if not self.acc.is_main_process:
+            return None
+        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in state.items()]

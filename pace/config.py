@@ -1,0 +1,171 @@
+"""Typed schema of every config group (DESIGN names), registered with Hydra's ConfigStore.
+
+`conf/config.yaml` starts from the `pace_schema` node, so an unknown key or a value of the wrong
+type fails at composition naming the key. Value constraints that types cannot express are checked
+by `validate`, once, at start. Derived values are computed here and nowhere else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from pace.tasks.arithmetic import ArithmeticSpec
+from pace.tiny import TinySpec
+
+
+class ConfigError(ValueError):
+    """A config that cannot work. The message names the key(s)."""
+
+
+@dataclass
+class ModelConfig:
+    # Hub id or local directory. `null` builds the embedded tiny model (cached under `cache_dir`).
+    path: Optional[str] = None
+    dtype: str = "float32"  # trainer and engine dtype: float32 | bfloat16 | float16
+    gradient_checkpointing: bool = False
+    cache_dir: str = "data/cache"  # where built assets (tiny model) are cached
+    tiny: TinySpec = field(default_factory=TinySpec)  # used when path is null
+
+
+@dataclass
+class DataConfig:
+    source: str = "arithmetic"  # arithmetic (generated, tiny default) | math (hub id or local file)
+    path: Optional[str] = None  # math: hub id (datasets.load_dataset) or a local .jsonl/.parquet file
+    split: str = "train"
+    template: str = "dapo"  # math prompt template (see pace.tasks.math)
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+    batch_prompts: int = 8  # B: groups per training step
+    group_size: int = 8  # G: responses per prompt
+    seed: int = 0
+    arithmetic: ArithmeticSpec = field(default_factory=ArithmeticSpec)  # used when source=arithmetic
+
+
+@dataclass
+class RolloutConfig:
+    max_tokens: int = 96  # L_max (also the overlong-shaping limit)
+    overlong_buffer: int = 16  # L_cache (DAPO soft overlong punishment)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_inflight_groups: int = 16  # cap on groups submitted and not yet pooled
+    sync_every: int = 1  # weight sync every N training steps
+    max_model_len: int = 256
+    max_num_seqs: int = 256
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    # CPU engine only: KV cache GiB, and OMP threads/binding of the engine (see README "CPU threads").
+    kv_cache_gib: int = 1
+    cpu_threads: int = 1
+    cpu_threads_bind: str = "nobind"
+
+
+@dataclass
+class RewardConfig:
+    timeout_s: float = 5.0  # per grading job (math-verify); a timeout scores as wrong and is counted
+    workers: int = 1  # grading processes
+
+
+@dataclass
+class PoolConfig:
+    name: str = "async"  # sync | async  (stale_k, gate, pace: see issue #3)
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "dapo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    clip_ratio_c: Optional[float] = 3.0  # dual clip for A < 0 (verl's DAPO recipe); null disables
+    ratio_ref: str = "behavior"  # behavior (π_θ/μ); proximal comes with issue #3
+    filter_on: str = "acc"  # dynamic sampling on correctness (DAPO's recipe) or on the shaped reward
+    adv_eps: float = 1e-6
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    mini_batches: int = 1  # optimizer updates per training step
+    micro_batch_size: int = 64  # sequences per forward/backward
+    cpu_threads: int = 1  # torch intra-op threads of the trainer on CPU
+
+
+@dataclass
+class LoggerConfig:
+    mode: str = "offline"  # online | offline | disabled (online falls back to offline without an API key)
+    project: str = "pace"
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: list = field(default_factory=list)
+    flush_every: int = 10  # steps between writes of per-group Parquet parts
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    exp_name: str = "default"
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="pace_schema", node=Config)
+
+
+_CHOICES = {
+    "device": ("auto", "cpu", "cuda"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "data.source": ("arithmetic", "math"),
+    "pool.name": ("sync", "async"),
+    "algo.name": ("dapo",),
+    "algo.ratio_ref": ("behavior",),
+    "algo.filter_on": ("acc", "reward"),
+    "logger.mode": ("online", "offline", "disabled"),
+    "rollout.cpu_threads_bind": ("nobind", "auto"),
+}
+
+_POSITIVE = (
+    "data.batch_prompts", "rollout.max_tokens", "rollout.max_inflight_groups", "rollout.sync_every",
+    "rollout.max_model_len", "trainer.steps", "trainer.mini_batches", "trainer.micro_batch_size",
+    "reward.timeout_s", "reward.workers", "rollout.temperature", "trainer.lr",
+)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Constraints that types cannot express. Raises ConfigError naming the key(s)."""
+    for key, allowed in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    for key in _POSITIVE:
+        if not OmegaConf.select(cfg, key) > 0:
+            raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    if cfg.data.group_size < 2:
+        raise ConfigError(f"data.group_size={cfg.data.group_size}: group-normalised advantages need G >= 2")
+    if not 0 <= cfg.rollout.overlong_buffer < cfg.rollout.max_tokens:
+        raise ConfigError("rollout.overlong_buffer must be >= 0 and < rollout.max_tokens")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.trainer.mini_batches > cfg.data.batch_prompts:
+        raise ConfigError("trainer.mini_batches must be <= data.batch_prompts (mini-batches split groups)")
+    if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:
+        raise ConfigError("pool.name=sync trains on-policy: it needs rollout.sync_every=1")
+    if cfg.data.source == "math" and not cfg.data.path:
+        raise ConfigError("data.source=math needs data.path (a hub id or a local file)")
+    if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
+        raise ConfigError("rollout.max_tokens must be < rollout.max_model_len (prompt + response)")

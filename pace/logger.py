@@ -1,0 +1,136 @@
+"""Run logging in one place: wandb (online/offline/disabled) plus a local run directory.
+
+Local layout (read by `analysis/`; names are the API of DESIGN §6):
+    metrics.jsonl            one JSON object per training step
+    groups/part-NNNNN.parquet one row per group whose fate was decided (and, at the end, the rest)
+    summary.json             fate counts and final numbers
+wandb gets the same step metrics, the per-group parts as an artifact, and the summary.
+"""
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import sys
+from pathlib import Path
+
+from pace.records import Fate, Group
+from pace.staleness import versions_spanned
+
+
+def group_row(group: Group) -> dict:
+    """One per-group record (DESIGN §6). Staleness is taken at the step the fate was decided."""
+    trajs = [t for t in group.trajectories if len(t) > 0]
+    row = {
+        "id": group.id,
+        "prompt_id": group.prompt_id,
+        "fate": group.fate.value,
+        "reason": group.reason,
+        "step": group.step,
+        "submitted_at": group.submitted_at,
+        "c": None, "k": None, "k_gen": None, "k_wait": None,
+        "pfs": group.pfs,
+        "u": group.scores.get("u"),
+        "s_eff": group.scores.get("s_eff"),
+        "score": group.scores.get("score"),
+        "reward_mean": None, "reward_std": None, "acc_mean": None,
+        "len_mean": None, "len_max": None, "lengths": [len(t) for t in trajs],
+        "num_tokens": sum(len(t) for t in trajs),
+        "versions_spanned": None,
+    }
+    complete = len(trajs) == len(group.trajectories) and trajs and all(t.completed_at >= 0 for t in trajs)
+    if complete:
+        rewards = [t.reward for t in trajs]
+        mean = sum(rewards) / len(rewards)
+        row.update(
+            c=group.completed_at,
+            reward_mean=mean,
+            reward_std=math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+            acc_mean=sum(t.correct for t in trajs) / len(trajs),
+            len_mean=row["num_tokens"] / len(trajs),
+            len_max=max(row["lengths"]),
+            versions_spanned=max(versions_spanned(t.versions) for t in trajs),
+        )
+        if group.step is not None:
+            row["k"], row["k_gen"], row["k_wait"] = group.staleness(group.step)
+    return row
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """`online` without credentials becomes `offline` (never an interactive prompt)."""
+    if mode != "online":
+        return mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        rc = netrc.netrc()
+        if any("wandb" in host for host in rc.hosts):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    print("logger.mode=online but no wandb API key found: logging offline (sync later with `wandb sync`)", file=sys.stderr)
+    return "offline"
+
+
+class RunLogger:
+    def __init__(self, cfg, run_dir: str | Path, config_dict: dict):
+        self.dir = Path(run_dir)
+        (self.dir / "groups").mkdir(parents=True, exist_ok=True)
+        self.flush_every = cfg.logger.flush_every
+        self._metrics = open(self.dir / "metrics.jsonl", "a")
+        self._rows: list[dict] = []
+        self._part = len(list((self.dir / "groups").glob("part-*.parquet")))
+        self.mode = resolve_wandb_mode(cfg.logger.mode)
+        self.run = None
+        if self.mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(
+                project=cfg.logger.project,
+                group=cfg.logger.group,
+                name=cfg.logger.name or cfg.exp_name,
+                tags=list(cfg.logger.tags),
+                config=config_dict,
+                dir=str(self.dir),
+                mode=self.mode,
+                settings=wandb.Settings(console="off", init_timeout=120),
+            )
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **metrics}
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def log_groups(self, groups: list[Group], step: int) -> None:
+        self._rows.extend(group_row(g) for g in groups)
+        if (step + 1) % self.flush_every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._rows:
+            return
+        import pandas as pd
+
+        path = self.dir / "groups" / f"part-{self._part:05d}.parquet"
+        pd.DataFrame(self._rows).to_parquet(path, index=False)
+        self._part += 1
+        self._rows = []
+
+    def close(self, remaining: list[Group], summary: dict) -> None:
+        """Log groups still pooled / in flight with those fates, write the summary, finish wandb."""
+        self._rows.extend(group_row(g) for g in remaining if g.fate in (Fate.POOLED, Fate.INFLIGHT))
+        self.flush()
+        self._metrics.close()
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.run is not None:
+            import wandb
+
+            self.run.summary.update(summary)
+            artifact = wandb.Artifact(f"groups-{self.run.id}", type="groups")
+            artifact.add_dir(str(self.dir / "groups"))
+            self.run.log_artifact(artifact)
+            self.run.finish()

@@ -1,0 +1,183 @@
+"""Pool of completed groups with exact fate accounting (DESIGN §3).
+
+Every group ever submitted ends in exactly one fate. The pool is the only place fates change:
+
+    on_submitted   → inflight
+    add            → pooled, or filtered (dynamic sampling)
+    form_batch     → consumed, or rejected / dropped_stale (by the policy)
+    at shutdown    whatever is left stays pooled / inflight and is counted
+
+Invariant, checked by `check_accounting`: submitted == Σ_fate count(fate).
+The rollout thread calls `admits`, `on_submitted`, `add`; the trainer thread calls `form_batch`,
+`drain_decided`. One lock guards everything; a condition wakes the trainer when groups arrive.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pace.records import Batch, Fate, Group
+
+
+@dataclass(frozen=True)
+class AdmissionView:
+    """What a policy sees when the rollout asks to start a group."""
+
+    engine_version: int  # version of the weights loaded in the engine
+    trainer_version: int  # updates finished by the trainer
+    batches_formed: int  # batches handed to the trainer so far
+    started: int  # groups ever submitted
+    inflight: int  # submitted, not yet pooled or filtered
+    pooled: int
+    batch_prompts: int  # B
+
+
+@dataclass
+class Selection:
+    """A policy's decision at step j: the batch, and groups removed with a fate and reason."""
+
+    batch: list[Group]
+    removed: list[tuple[Group, Fate, str]] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)  # e.g. pool/rho, pool/budget (logged per step)
+
+
+class PoolPolicy:
+    """Base policy: admit while under the in-flight cap; take B groups FIFO (completion order)."""
+
+    name = "base"
+
+    def __init__(self, batch_prompts: int, max_inflight_groups: int):
+        self.batch_prompts = batch_prompts
+        self.max_inflight_groups = max_inflight_groups
+
+    def admits(self, view: AdmissionView) -> bool:
+        return view.inflight < self.max_inflight_groups
+
+    def select(self, pooled: list[Group], step: int) -> Selection | None:
+        """``pooled`` is in completion order. Return None to wait for more groups."""
+        if len(pooled) < self.batch_prompts:
+            return None
+        return Selection(batch=pooled[: self.batch_prompts])
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class Pool:
+    def __init__(self, policy: PoolPolicy, informative: Callable[[Group], bool]):
+        self.policy = policy
+        self.informative = informative
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._pooled: list[Group] = []  # completion order
+        self._inflight: dict[int, Group] = {}
+        self._counts: Counter[Fate] = Counter()
+        self._decided: list[Group] = []  # fates decided since the last drain (for logging)
+        self.submitted = 0
+        self.batches_formed = 0
+        self.last_metrics: dict = {}  # the policy's metrics at the last formed batch
+
+    # --- rollout side ------------------------------------------------------------------------
+    def admits(self, engine_version: int, trainer_version: int) -> bool:
+        with self._lock:
+            return self.policy.admits(self._view(engine_version, trainer_version))
+
+    def on_submitted(self, group: Group) -> None:
+        with self._lock:
+            self.submitted += 1
+            group.fate = Fate.INFLIGHT
+            self._inflight[group.id] = group
+
+    def add(self, group: Group, version: int) -> bool:
+        """A complete, graded group arrives at trainer version ``version``. Returns True if pooled."""
+        with self._arrived:
+            del self._inflight[group.id]
+            if self.informative(group):
+                group.fate = Fate.POOLED
+                self._pooled.append(group)
+                self._arrived.notify_all()
+                return True
+            self._decide(group, Fate.FILTERED, "all rewards equal", version)
+            self._arrived.notify_all()  # admission may open up again (sync policy)
+            return False
+
+    # --- trainer side ------------------------------------------------------------------------
+    def form_batch(self, step: int, timeout: float | None = None) -> Batch | None:
+        """Block until the policy forms batch ``step``; None if ``timeout`` passes first."""
+        with self._arrived:
+            selection = self.policy.select(list(self._pooled), step)
+            while selection is None:
+                if not self._arrived.wait(timeout):
+                    return None
+                selection = self.policy.select(list(self._pooled), step)
+            taken = {id(g) for g in selection.batch}
+            for group, fate, reason in selection.removed:
+                taken.add(id(group))
+                self._decide(group, fate, reason, step)
+            for group in selection.batch:
+                self._decide(group, Fate.CONSUMED, "", step)
+            self._pooled = [g for g in self._pooled if id(g) not in taken]
+            self.batches_formed += 1
+            self.last_metrics = selection.metrics
+            return Batch(step=step, groups=selection.batch)
+
+    def drain_decided(self) -> list[Group]:
+        with self._lock:
+            out, self._decided = self._decided, []
+            return out
+
+    def wake(self) -> None:
+        """Wake a waiting `form_batch` (e.g. so the trainer can notice a rollout failure)."""
+        with self._arrived:
+            self._arrived.notify_all()
+
+    # --- accounting --------------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            out = {f.value: self._counts[f] for f in Fate}
+            out[Fate.POOLED.value] = len(self._pooled)
+            out[Fate.INFLIGHT.value] = len(self._inflight)
+            out["submitted"] = self.submitted
+            return out
+
+    def check_accounting(self) -> None:
+        c = self.counts()
+        total = sum(v for k, v in c.items() if k != "submitted")
+        if total != c["submitted"]:
+            raise AssertionError(f"fate accounting broken: submitted={c['submitted']} but fates sum to {total}: {c}")
+
+    def remaining(self) -> list[Group]:
+        """Groups still pooled or in flight (logged with those fates at shutdown)."""
+        with self._lock:
+            return list(self._pooled) + list(self._inflight.values())
+
+    @property
+    def occupancy(self) -> int:
+        with self._lock:
+            return len(self._pooled)
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def _view(self, engine_version: int, trainer_version: int) -> AdmissionView:
+        return AdmissionView(
+            engine_version=engine_version,
+            trainer_version=trainer_version,
+            batches_formed=self.batches_formed,
+            started=self.submitted,
+            inflight=len(self._inflight),
+            pooled=len(self._pooled),
+            batch_prompts=self.policy.batch_prompts,
+        )
+
+    def _decide(self, group: Group, fate: Fate, reason: str, step: int) -> None:
+        group.fate, group.reason, group.step = fate, reason, step
+        self._counts[fate] += 1
+        self._decided.append(group)

@@ -1,0 +1,88 @@
+"""Typed records that cross stage boundaries: rollout → pool (`Group`), pool → trainer (`Batch`).
+
+Nothing else crosses: the rollout hands the pool complete, graded groups; the pool hands the
+trainer a batch and a list of fates to log.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from pace import staleness
+
+
+class Fate(str, Enum):
+    """Where a submitted group ended (DESIGN §3). Every group has exactly one."""
+
+    INFLIGHT = "inflight"  # submitted to the engine, not all responses done or graded
+    POOLED = "pooled"  # complete and graded, waiting in the pool
+    CONSUMED = "consumed"  # trained on
+    REJECTED = "rejected"  # removed by a pool policy (with a reason)
+    FILTERED = "filtered"  # dynamic sampling: all responses scored the same
+    DROPPED_STALE = "dropped_stale"  # Stale-k: K above pool.max_lag at consumption
+
+
+@dataclass
+class Trajectory:
+    """One response. ``logprobs[t]`` is ℓ^μ_t and ``versions[t]`` is v_t of response token t."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    completed_at: int  # c(τ): trainer version when the last token was produced
+    finish_reason: str  # "stop" (EOS) or "length" (hit rollout.max_tokens)
+    text: str = ""
+    correct: bool = False
+    reward: float = 0.0  # ±1 correctness plus overlong shaping
+    advantage: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class Group:
+    """The G responses to one prompt: the pool's unit."""
+
+    id: int
+    prompt_id: str
+    prompt_ids: list[int]
+    answer: str
+    submitted_at: int  # trainer version when the prompt was submitted to the engine
+    trajectories: list[Trajectory] = field(default_factory=list)
+    fate: Fate = Fate.INFLIGHT
+    reason: str = ""
+    step: int | None = None  # trainer step at which the fate was decided (consumed/rejected/…)
+    pfs: float | None = None  # Prefix Forgetting Score (PACE), None when not rescored
+    scores: dict = field(default_factory=dict)  # policy-specific ranking values, logged per group
+
+    @property
+    def completed_at(self) -> int:
+        """The group enters the pool at the version its last trajectory completed."""
+        return max(t.completed_at for t in self.trajectories)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.trajectories)
+
+    def staleness(self, step: int) -> tuple[float, float, float]:
+        """Token-weighted (K, K_gen, K_wait) if consumed at ``step``."""
+        return staleness.group_staleness(
+            [t.versions for t in self.trajectories], [t.completed_at for t in self.trajectories], step
+        )
+
+    def k_gen(self) -> float:
+        # K_gen does not depend on the step; any step ≥ completion gives the same value.
+        return self.staleness(self.completed_at)[1]
+
+
+@dataclass
+class Batch:
+    """What the trainer consumes at step ``step``: B groups (G trajectories each)."""
+
+    step: int
+    groups: list[Group]
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]

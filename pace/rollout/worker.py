@@ -1,0 +1,224 @@
+"""The rollout thread: owns the vLLM engine, streams groups into the pool (DESIGN §5).
+
+Loop, one engine step at a time:
+    apply a pending weight update (between steps; in-flight requests continue under new weights)
+    start new groups while the pool policy admits them
+    step the engine; append each new token with v_t = the engine's loaded version and ℓ^μ_t
+    a response that finishes gets c(τ) = the trainer's version at that moment
+    a group whose G responses are done is graded (process pool, non-blocking) and then pooled
+
+An exception here is stored in `error` and the trainer re-raises it within one poll interval.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+from pace.algo.advantages import correctness_reward, group_advantages, overlong_penalty
+from pace.pool import Pool
+from pace.records import Group, Trajectory
+from pace.rollout import engine as engine_lib
+from pace.tasks.base import PromptSampler
+
+
+class RolloutError(RuntimeError):
+    """The rollout thread died; the message carries its traceback."""
+
+
+@dataclass
+class _Pending:
+    group: Group
+    remaining: int
+    responses: dict[int, Trajectory] = field(default_factory=dict)
+
+
+class RolloutWorker(threading.Thread):
+    def __init__(self, llm, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg):
+        super().__init__(name="rollout", daemon=True)
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.pool = pool
+        self.grader = grader
+        self.cfg = cfg
+        self.group_size = cfg.data.group_size
+        self.cpu_threads = cfg.rollout.cpu_threads if llm.llm_engine.vllm_config.device_config.device_type == "cpu" else 0
+        self.params = SamplingParams(
+            max_tokens=cfg.rollout.max_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            logprobs=0,  # the sampled token's log-prob: ℓ^μ_t
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
+        self.engine_version = 0  # weights loaded in the engine
+        self.trainer_version = 0  # set by the trainer thread after each update
+        self.error: BaseException | None = None
+        self.error_traceback = ""
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._update_lock = threading.Lock()
+        self._update: tuple[int, list] | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._grading: deque[tuple[Group, object]] = deque()
+        self._next_group_id = 0
+        self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0}
+        self._last = (time.perf_counter(), 0, 0.0)  # (time, tokens, gen_s) at the last metrics() call
+
+    # --- called from the trainer thread -----------------------------------------------------
+    def post_weights(self, version: int, named_tensors: list) -> None:
+        """Hand over θ_version; applied before the next engine step. A newer update replaces an unapplied one."""
+        with self._update_lock:
+            self._update = (version, named_tensors)
+        self._wake.set()
+
+    def set_trainer_version(self, version: int) -> None:
+        self.trainer_version = version
+        self._wake.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self.is_alive():
+            self.join(timeout)
+
+    def metrics(self) -> dict:
+        """Throughput since the previous call: tokens per second of wall time, engine busy fraction."""
+        now, s = time.perf_counter(), self.stats
+        t, tokens, gen_s = self._last
+        self._last = (now, s["tokens"], s["gen_s"])
+        dt = max(now - t, 1e-9)
+        return {
+            "rollout/tokens_per_s": (s["tokens"] - tokens) / dt,
+            "rollout/busy": (s["gen_s"] - gen_s) / dt,
+            "rollout/engine_version": self.engine_version,
+            "rollout/sync_apply_s": s["sync_s"],
+        }
+
+    def check(self) -> None:
+        """Re-raise a rollout failure in the calling thread."""
+        if self.error is not None:
+            raise RolloutError(f"rollout thread failed:\n{self.error_traceback}") from self.error
+
+    # --- the thread -------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            if self.cpu_threads:
+                # OpenMP thread counts are per thread: the engine's kernels check that the count
+                # they run with equals the one their metadata was built with.
+                import torch
+
+                torch.set_num_threads(self.cpu_threads)
+            while not self._stopping.is_set():
+                busy = self._apply_update()
+                busy |= self._admit()
+                if self.engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    outputs = self.engine.step()
+                    self.stats["gen_s"] += time.perf_counter() - t0
+                    self._consume(outputs)
+                    busy = True
+                busy |= self._collect_grades()
+                if not busy:
+                    self._wake.wait(0.01)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - everything must reach the trainer
+            self.error, self.error_traceback = exc, traceback.format_exc()
+            self.pool.wake()
+        finally:
+            self._abort_all()
+
+    def _apply_update(self) -> bool:
+        with self._update_lock:
+            update, self._update = self._update, None
+        if update is None:
+            return False
+        version, weights = update
+        t0 = time.perf_counter()
+        engine_lib.load_weights(self.llm, weights)
+        self.stats["sync_s"] += time.perf_counter() - t0
+        self.stats["syncs"] += 1
+        self.engine_version = version
+        return True
+
+    def _admit(self) -> bool:
+        started = False
+        while self.pool.admits(self.engine_version, self.trainer_version):
+            prompt = self.sampler.next()
+            group = Group(
+                id=self._next_group_id,
+                prompt_id=prompt.id,
+                prompt_ids=self.tokenizer(prompt.text, add_special_tokens=False).input_ids,
+                answer=prompt.answer,
+                submitted_at=self.trainer_version,
+            )
+            self._next_group_id += 1
+            self.pool.on_submitted(group)
+            self._pending[group.id] = _Pending(group, self.group_size)
+            for i in range(self.group_size):
+                self.engine.add_request(f"g{group.id}-{i}", {"prompt_token_ids": group.prompt_ids}, self.params)
+            started = True
+        return started
+
+    def _consume(self, outputs) -> None:
+        version = self.engine_version  # every token of this step came from these weights
+        for out in outputs:
+            gid, idx = out.request_id[1:].split("-")
+            pending = self._pending[int(gid)]
+            traj = pending.responses.get(int(idx))
+            if traj is None:
+                traj = pending.responses[int(idx)] = Trajectory([], [], [], completed_at=-1, finish_reason="")
+            for comp in out.outputs:
+                traj.response_ids.extend(comp.token_ids)
+                traj.logprobs.extend(lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs))
+                traj.versions.extend([version] * len(comp.token_ids))
+                self.stats["tokens"] += len(comp.token_ids)
+                if out.finished:
+                    traj.finish_reason = comp.finish_reason or "stop"
+            if out.finished:
+                traj.completed_at = self.trainer_version
+                pending.remaining -= 1
+                if pending.remaining == 0:
+                    self._finish_group(pending)
+
+    def _finish_group(self, pending: _Pending) -> None:
+        del self._pending[pending.group.id]
+        group = pending.group
+        group.trajectories = [pending.responses[i] for i in range(self.group_size)]
+        texts = self.tokenizer.batch_decode([t.response_ids for t in group.trajectories], skip_special_tokens=True)
+        for traj, text in zip(group.trajectories, texts):
+            traj.text = text
+        self._grading.append((group, self.grader.submit(texts, [group.answer] * len(texts))))
+
+    def _collect_grades(self) -> bool:
+        done = False
+        # Grades come back in submission order (completion order): the pool stays FIFO by completion.
+        while self._grading and self._grading[0][1].done():
+            group, job = self._grading.popleft()
+            self._score(group, job.result())
+            self.pool.add(group, self.trainer_version)
+            done = True
+        return done
+
+    def _score(self, group: Group, correct: list[bool]) -> None:
+        r = self.cfg.rollout
+        for traj, ok in zip(group.trajectories, correct):
+            traj.correct = ok
+            traj.reward = correctness_reward(ok) + overlong_penalty(len(traj), r.max_tokens, r.overlong_buffer)
+        for traj, adv in zip(group.trajectories, group_advantages([t.reward for t in group.trajectories], self.cfg.algo.adv_eps)):
+            traj.advantage = adv
+
+    def _abort_all(self) -> None:
+        ids = [f"g{gid}-{i}" for gid in self._pending for i in range(self.group_size)]
+        try:
+            if ids:
+                self.engine.abort_request(ids)
+        except Exception:  # noqa: BLE001 - best effort at shutdown; the groups stay counted as in flight
+            pass

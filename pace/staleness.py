@@ -1,0 +1,73 @@
+"""Staleness of trajectories and groups (DESIGN §2, paper Sec. 2). Pure functions, no engine.
+
+Trainer versions θ_0, θ_1, …; update j consumes a batch and produces θ_{j+1}. Response token
+y_t was produced by version v_t; the trajectory completed at trainer version c and is consumed
+at step j.
+
+    token lag               k_t       = j − v_t
+    policy lag (Eq. 1)      K         = (1/|y|) Σ_t (j − v_t)
+    Generation Staleness    K_gen     = (1/|y|) Σ_t (c − v_t)         fixed at completion, ≥ 0
+    Waiting Staleness       K_wait    = j − c                          +1 per trainer step pooled
+    Lemma 1                 K         = K_gen + K_wait                 (exact)
+
+For a group (G trajectories of one prompt) every quantity is the token-weighted mean over its
+trajectories, so Lemma 1 holds for groups too. Sums of integers are kept as integers and divided
+once, so the identity holds to floating-point rounding of a single division.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _check(versions: Sequence[int]) -> None:
+    if len(versions) == 0:
+        raise ValueError("staleness of an empty response is undefined")
+
+
+def policy_lag(versions: Sequence[int], step: int) -> float:
+    """K(τ; j) = mean_t (j − v_t)."""
+    _check(versions)
+    return (step * len(versions) - sum(versions)) / len(versions)
+
+
+def generation_staleness(versions: Sequence[int], completed_at: int) -> float:
+    """K_gen(τ) = mean_t (c − v_t); ≥ 0 because no token is newer than its completion."""
+    _check(versions)
+    if max(versions) > completed_at:
+        raise ValueError(f"token version {max(versions)} is newer than completion version {completed_at}")
+    return (completed_at * len(versions) - sum(versions)) / len(versions)
+
+
+def waiting_staleness(completed_at: int, step: int) -> int:
+    """K_wait(τ; j) = j − c."""
+    return step - completed_at
+
+
+def group_staleness(
+    versions: Sequence[Sequence[int]], completed_at: Sequence[int], step: int
+) -> tuple[float, float, float]:
+    """Token-weighted (K, K_gen, K_wait) of a group of trajectories consumed at ``step``.
+
+    Each trajectory keeps its own completion version c(τ): a response that finished before its
+    siblings accrues Waiting Staleness while it waits for them (DESIGN §2).
+    """
+    if len(versions) != len(completed_at) or not versions:
+        raise ValueError("a group needs one completion version per trajectory, and at least one trajectory")
+    n = 0
+    lag = gen = wait = 0
+    for vs, c in zip(versions, completed_at):
+        _check(vs)
+        if max(vs) > c:
+            raise ValueError(f"token version {max(vs)} is newer than completion version {c}")
+        s, m = sum(vs), len(vs)
+        n += m
+        lag += step * m - s
+        gen += c * m - s
+        wait += (step - c) * m
+    return lag / n, gen / n, wait / n
+
+
+def versions_spanned(versions: Sequence[int]) -> int:
+    """How many weight versions produced tokens of one response (1 = no update mid-generation)."""
+    _check(versions)
+    return max(versions) - min(versions) + 1

@@ -1,0 +1,1 @@
+"""Prompt sources: the generated arithmetic task (tiny default) and math datasets (paper runs)."""

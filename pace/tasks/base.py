@@ -1,0 +1,51 @@
+"""The record every prompt source yields, and the sampler that walks a prompt list."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One training or evaluation problem.
+
+    ``text`` is the exact string given to the tokenizer (template already applied);
+    ``answer`` is the reference answer graded by ``pace.reward``.
+    """
+
+    id: str
+    text: str
+    answer: str
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+class PromptSampler:
+    """Epoch-shuffled, endless walk over a prompt list. Its state is two ints (checkpointable)."""
+
+    def __init__(self, prompts: list[Prompt], seed: int = 0):
+        if not prompts:
+            raise ValueError("PromptSampler: the prompt list is empty")
+        self.prompts = prompts
+        self.seed = seed
+        self.position = 0  # prompts drawn so far, over all epochs
+        self._order: list[int] = []
+        self._epoch = -1
+
+    def _order_for(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            self._order = list(range(len(self.prompts)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+            self._epoch = epoch
+        return self._order
+
+    def next(self) -> Prompt:
+        epoch, i = divmod(self.position, len(self.prompts))
+        self.position += 1
+        return self.prompts[self._order_for(epoch)[i]]
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.position = state["seed"], state["position"]
+        self._epoch = -1
