@@ -148,14 +148,18 @@ def run(cfg: DictConfig) -> None:
     progress = cfg.logger.progress and main_rank
 
     model_path = resolve_model(cfg, progress)
+    if main_rank:  # bad data fails here, before the trainer and the engine are built
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        prompts = load_prompts(cfg, tokenizer)
+
     from pace.algo.trainer import DAPOTrainer
 
     trainer = DAPOTrainer(model_path, cfg, accelerator)
 
     rollout = pool = logger = llm = grader = None
     if main_rank:
-        from transformers import AutoTokenizer
-
         from pace.algo.advantages import is_informative
         from pace.logger import RunLogger
         from pace.pool import Pool, build_policy
@@ -163,8 +167,7 @@ def run(cfg: DictConfig) -> None:
         from pace.rollout.worker import RolloutWorker
         from pace.tasks.base import PromptSampler
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        sampler = PromptSampler(load_prompts(cfg, tokenizer), seed=cfg.data.seed)
+        sampler = PromptSampler(prompts, seed=cfg.data.seed)
         metric = (lambda t: float(t.correct)) if cfg.algo.filter_on == "acc" else (lambda t: t.reward)
         pool = Pool(build_policy(cfg), informative=lambda g: is_informative([metric(t) for t in g.trajectories]))
         grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
@@ -214,6 +217,9 @@ def run(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         status = "interrupted"
         print("\ninterrupted: stopping the rollout and shutting the engine down", file=sys.stderr)
+    except BaseException:
+        status = "failed"
+        raise
     finally:
         bar.close()
         if main_rank:

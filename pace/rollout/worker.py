@@ -111,11 +111,12 @@ class RolloutWorker(threading.Thread):
     def run(self) -> None:
         try:
             if self.cpu_threads:
-                # OpenMP thread counts are per thread: the engine's kernels check that the count
-                # they run with equals the one their metadata was built with.
+                # OpenMP thread counts are per thread, and the CPU attention kernels check that they
+                # run with the count their metadata was built with, so this thread sets its own.
+                # vLLM's CPU worker replaces torch.set_num_threads with a no-op: call the original.
                 import torch
 
-                torch.set_num_threads(self.cpu_threads)
+                torch._C.set_num_threads(self.cpu_threads)
             while not self._stopping.is_set():
                 busy = self._apply_update()
                 busy |= self._admit()

@@ -1,0 +1,34 @@
+"""Shared fixtures. The engine environment must be set before vLLM or torch are imported."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    """The default tiny model, built once into the repo cache (the same one `python train.py` uses)."""
+    from pace.tiny import TinySpec, build_tiny
+
+    return str(build_tiny(TinySpec(), ROOT / "data" / "cache", progress=False))
+
+
+def run_train(args: list[str], run_dir: Path, timeout: float = 600, **kw):
+    """Run train.py in a subprocess with its run directory at ``run_dir``."""
+    import subprocess
+
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}", "logger.progress=false"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)

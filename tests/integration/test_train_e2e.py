@@ -1,0 +1,108 @@
+"""End-to-end: `python train.py` on the tiny default with the real engine, grader and trainer."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from tests.conftest import ROOT, run_train
+
+pytestmark = pytest.mark.integration
+
+STEP_KEYS = [
+    "train/reward_mean", "train/loss", "train/clipfrac", "train/entropy", "train/response_len",
+    "pool/occupancy", "pool/rejected", "staleness/k_mean", "staleness/k_gen_mean", "staleness/k_wait_mean",
+    "version", "time/step", "time/wait_data", "time/train", "time/sync", "rollout/tokens_per_s", "rollout/inflight",
+]
+
+
+def _read(run_dir):
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    groups = pd.read_parquet(run_dir / "groups")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return metrics, groups, summary
+
+
+def _check_accounting(groups, summary):
+    fates = summary["fates"]
+    assert fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted")
+    assert len(groups) == fates["submitted"]  # one row per group, whatever its fate
+    assert groups["id"].is_unique
+    for fate, n in fates.items():
+        if fate != "submitted":
+            assert (groups["fate"] == fate).sum() == n, fate
+
+
+def test_async_run_logs_everything(tiny_model_path, tmp_path):
+    steps = 6
+    proc = run_train(["+exp=async_tiny", f"trainer.steps={steps}", "logger.mode=offline"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics, groups, summary = _read(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(steps))
+    for key in STEP_KEYS:
+        assert all(key in m for m in metrics), key
+    assert summary["status"] == "finished" and summary["steps"] == steps
+    _check_accounting(groups, summary)
+    consumed = groups[groups.fate == "consumed"]
+    assert len(consumed) == steps * 8
+    # Lemma 1 on every logged group with a decided step
+    decided = groups.dropna(subset=["k"])
+    assert ((decided.k - decided.k_gen - decided.k_wait).abs() < 1e-9).all()
+    assert (decided.k_gen >= 0).all() and (consumed.k_wait >= 0).all()
+    assert (groups[groups.fate == "filtered"].reward_std.fillna(0) >= 0).all()
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run directory"
+
+
+def test_sync_run_is_on_policy(tiny_model_path, tmp_path):
+    proc = run_train(["+exp=sync_tiny", "trainer.steps=3", "logger.mode=disabled"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics, groups, summary = _read(tmp_path)
+    _check_accounting(groups, summary)
+    consumed = groups[groups.fate == "consumed"]
+    assert len(consumed) == 3 * 8
+    assert (consumed.k == 0).all() and (consumed.versions_spanned == 1).all()
+    assert summary["fates"]["pooled"] == 0  # exactly one batch generated per step
+    assert all(m["staleness/k_mean"] == 0 for m in metrics)
+
+
+def test_sigint_stops_cleanly(tiny_model_path, tmp_path):
+    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=100000", "logger.mode=disabled",
+           f"hydra.run.dir={tmp_path}", "logger.progress=false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert time.time() - t0 < 30
+    assert "interrupted" in err
+    _, groups, summary = _read(tmp_path)
+    assert summary["status"] == "interrupted"
+    _check_accounting(groups, summary)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["model.path=/no/such/model"], "model.path: directory not found: /no/such/model"),
+        (["+exp=async_qwen3_8b"], "no CUDA GPU"),
+        (["data.source=math", "data.path=/no/such/file.jsonl"], "data file not found: /no/such/file.jsonl"),
+        (["trainer.foo=1"], "trainer.foo"),
+        (["pool.name=bogus"], "pool.name='bogus'"),
+        (["data.group_size=1"], "data.group_size"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, needle, tmp_path):
+    proc = run_train(args, tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
