@@ -148,6 +148,7 @@ _POSITIVE = (
 
 def validate(cfg: DictConfig) -> None:
     """Constraints that types cannot express. Raises ConfigError naming the key(s)."""
+    _check_schema(cfg)
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
@@ -169,3 +170,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("data.source=math needs data.path (a hub id or a local file)")
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError("rollout.max_tokens must be < rollout.max_model_len (prompt + response)")
+
+
+def _check_schema(cfg: DictConfig) -> None:
+    """Re-merge onto the schema: catches keys added with Hydra's `+key=` that the schema lacks."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg, resolve=True))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        raise ConfigError(f"{key}: {str(exc).splitlines()[0]}" if key else str(exc).splitlines()[0]) from None

@@ -32,3 +32,10 @@ def run_train(args: list[str], run_dir: Path, timeout: float = 600, **kw):
 
     cmd = [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}", "logger.progress=false"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def pytest_collection_modifyitems(items):
+    """Every test not marked `integration` is a fast `unit` test."""
+    for item in items:
+        if "integration" not in item.keywords:
+            item.add_marker(pytest.mark.unit)

@@ -14,6 +14,7 @@ The rollout thread calls `admits`, `on_submitted`, `add`; the trainer thread cal
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,10 +110,12 @@ class Pool:
     # --- trainer side ------------------------------------------------------------------------
     def form_batch(self, step: int, timeout: float | None = None) -> Batch | None:
         """Block until the policy forms batch ``step``; None if ``timeout`` passes first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._arrived:
             selection = self.policy.select(list(self._pooled), step)
             while selection is None:
-                if not self._arrived.wait(timeout):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0 or not self._arrived.wait(left):
                     return None
                 selection = self.policy.select(list(self._pooled), step)
             taken = {id(g) for g in selection.batch}

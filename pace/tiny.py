@@ -1,0 +1,285 @@
+"""The embedded default model: a tiny Qwen3 with a character-level tokenizer, SFT-warmed on
+the generated arithmetic task to partial accuracy, built once and cached on disk.
+
+RL needs signal: a model that solves everything or nothing gives groups whose rewards are
+all equal, and dynamic sampling filters those. So the warm start stops early on purpose;
+``TinySpec.sft_steps`` is tuned so that sampled (temperature 1) accuracy on the training mix
+is partial and falls with the level. ``meta.json`` in the built directory records what was
+measured.
+
+The directory is a plain Hugging Face checkpoint (float32 safetensors + tokenizer files):
+``AutoModelForCausalLM``, ``AutoTokenizer`` and ``vllm.LLM(path, dtype="float32")`` load it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import random
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import tokenizers
+import torch
+import transformers
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from pace.tasks.arithmetic import ANSWER_PREFIX, ArithmeticSpec, make_prompts, prompt_text, random_expression, solution
+from pace.tasks.base import Prompt
+
+log = logging.getLogger(__name__)
+
+# Bump when the build procedure changes what it produces, so old caches are not reused.
+BUILD_VERSION = 1
+
+PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
+VOCAB_SIZE = 128
+# One token per character: every printable ASCII character plus newline and tab, so any
+# ASCII text round-trips; ids past them up to VOCAB_SIZE are reserved specials, which keeps the
+# tokenizer and the embedding the same size (a sampled id always decodes).
+CHARS = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+
+
+@dataclass
+class TinySpec:
+    """Everything that determines the built model; its hash names the cache directory."""
+
+    task: ArithmeticSpec = field(default_factory=ArithmeticSpec)  # levels mixed in SFT and eval
+    # Qwen3 shape (~0.4M parameters). head_dim 32: vLLM's CPU attention supports 32, 64, ...
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 384
+    max_position_embeddings: int = 256
+    # SFT warm start; sft_steps sets how far the model gets (tuned for partial accuracy)
+    sft_steps: int = 600
+    batch_size: int = 64
+    lr: float = 3e-3  # peak; linear warmup, cosine decay to lr/10
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    # accuracy measurement after SFT: first eval_prompts training prompts (a balanced mix)
+    eval_prompts: int = 400
+    eval_max_new_tokens: int = 96
+    seed: int = 0
+
+    def key(self) -> str:
+        blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: ids 0/1/2 are pad/EOS/unk, then one id per character."""
+    reserved = [f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - 3 - len(CHARS))]
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *CHARS, *reserved])}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    # "[\s\S]", not ".": Oniguruma's "." skips "\n", and "\n\n" would become one unknown piece.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([PAD, EOS, UNK, *reserved])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,  # the default would rewrite " ." and similar
+        model_max_length=256,
+    )
+
+
+def model_config(spec: TinySpec, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+
+
+def build_tiny(spec: TinySpec, cache_dir: str | Path, progress: bool = True) -> Path:
+    """Return the directory of the model ``spec`` describes, building it on the first call.
+
+    The build writes into a temporary sibling directory and renames it into place, so a
+    crash never leaves a half-built cache, and a concurrent builder's result is kept.
+    """
+    cache_dir = Path(cache_dir)
+    target = cache_dir / f"tiny-{spec.key()}"
+    if (target / "meta.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    log.info("building tiny model (SFT %d steps) into %s", spec.sft_steps, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
+    try:
+        _build(spec, tmp, progress)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # someone else finished first: theirs is as good as ours
+            if not (target / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build(spec: TinySpec, out: Path, progress: bool) -> None:
+    start = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    tokenizer = build_tokenizer()
+    model = Qwen3ForCausalLM(model_config(spec, tokenizer))
+    final_loss = _sft(model, tokenizer, spec, progress)
+    model.eval()
+    eval_prompts = make_prompts(spec.task, "train")[: spec.eval_prompts]
+    stats = _measure(model, tokenizer, eval_prompts, spec)
+    model.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    meta = {
+        "spec": asdict(spec),
+        "key": spec.key(),
+        "build_version": BUILD_VERSION,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "sft_steps": spec.sft_steps,
+        "sft_final_loss": final_loss,
+        **stats,
+        "build_seconds": round(time.perf_counter() - start, 1),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: TinySpec, progress: bool) -> float:
+    """Teacher-forced SFT on worked solutions; loss on response tokens and EOS only.
+
+    Problems come fresh from the generator (never a val prompt), not from the train split,
+    so the warm start cannot memorise the prompts RL will train on.
+    """
+    levels = spec.task.level_list()
+    val = {p.text for p in make_prompts(spec.task, "val")}
+    rng = random.Random(f"tiny-sft-{spec.seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < spec.warmup_steps:
+            return spec.lr * (step + 1) / spec.warmup_steps
+        t = (step - spec.warmup_steps) / max(1, spec.sft_steps - spec.warmup_steps)
+        return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    model.train()
+    bar = tqdm(range(spec.sft_steps), desc="tiny SFT", disable=not progress, mininterval=1.0)
+    ema = float("nan")
+    for step in bar:
+        texts = []
+        while len(texts) < spec.batch_size:
+            text = prompt_text(random_expression(rng, rng.choice(levels)))
+            if text not in val:
+                texts.append(text)
+        input_ids, attention_mask, labels = _sft_batch(tokenizer, texts)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if math.isnan(ema) else 0.95 * ema + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+    return round(ema, 4)
+
+
+def _sft_batch(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> tuple[torch.Tensor, ...]:
+    prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    responses = tokenizer(
+        [solution(Prompt(id="", text=t, answer="")) for t in texts], add_special_tokens=False
+    )["input_ids"]
+    width = max(len(p) + len(r) + 1 for p, r in zip(prompts, responses))
+    input_ids = torch.full((len(texts), width), tokenizer.pad_token_id)
+    labels = torch.full((len(texts), width), -100)  # the model shifts labels itself
+    attention_mask = torch.zeros((len(texts), width), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        seq = p + r + [tokenizer.eos_token_id]
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, len(p) : len(seq)] = torch.tensor(r + [tokenizer.eos_token_id])
+        attention_mask[i, : len(seq)] = 1
+    return input_ids, attention_mask, labels
+
+
+def parse_answer(response: str) -> int | None:
+    """The integer after the last ``Answer:``, or None when there is none.
+
+    A local exact grader for the build's own measurement; RL rewards come from ``pace.reward``.
+    """
+    _, found, tail = response.rpartition(ANSWER_PREFIX.strip())
+    if not found:
+        return None
+    match = re.fullmatch(r"\s*(-?\d+)\s*", tail)
+    return int(match.group(1)) if match else None
+
+
+@torch.no_grad()
+def _measure(model, tokenizer, prompts: list[Prompt], spec: TinySpec, batch: int = 200) -> dict:
+    """Sampled accuracy (temperature 1, no top-k/top-p: what RL rollouts see) and lengths."""
+    per_level: dict[int, dict[str, list[int]]] = {}
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        enc = tokenizer(
+            [p.text for p in chunk], return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+        )
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=spec.eval_max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for p, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist()):
+            n = ids.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in ids else len(ids)
+            text = tokenizer.decode(ids[:n])
+            rec = per_level.setdefault(p.meta["level"], {"correct": [], "length": [], "correct_length": []})
+            ok = parse_answer(text) == int(p.answer)
+            rec["correct"].append(int(ok))
+            rec["length"].append(n)
+            if ok:
+                rec["correct_length"].append(n)
+
+    def summary(xs: list[int]) -> dict:
+        return {"min": min(xs), "mean": round(sum(xs) / len(xs), 1), "max": max(xs)} if xs else {}
+
+    levels = sorted(per_level)
+    return {
+        "eval_prompts": len(prompts),
+        "accuracy_per_level": {lv: round(sum(per_level[lv]["correct"]) / len(per_level[lv]["correct"]), 3) for lv in levels},
+        "accuracy_overall": round(sum(sum(r["correct"]) for r in per_level.values()) / len(prompts), 3),
+        # response tokens without EOS; a response that never stopped counts max_new_tokens
+        "response_tokens_per_level": {lv: summary(per_level[lv]["length"]) for lv in levels},
+        "correct_response_tokens_per_level": {lv: summary(per_level[lv]["correct_length"]) for lv in levels},
+        "truncated_per_level": {
+            lv: sum(n >= spec.eval_max_new_tokens for n in per_level[lv]["length"]) for lv in levels
+        },
+    }

@@ -1,0 +1,137 @@
+"""Tests for the typed config (pace.config) and every experiment preset in conf/exp/.
+
+Composition uses Hydra's compose API on the real conf/ directory; presets are discovered by glob,
+so a new `conf/exp/<name>.yaml` is covered without editing this file. Files whose name starts with
+`_` are shared bases, not runnable presets. Nothing here touches a device: the Qwen3-8B presets
+must compose on a CPU-only machine.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+
+from pace.config import ConfigError, register, validate
+
+pytestmark = pytest.mark.unit
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+PRESETS = sorted(p.stem for p in (CONF / "exp").glob("*.yaml") if not p.stem.startswith("_"))
+
+register()
+
+
+def compose_cfg(overrides: list[str] = (), config_dir: Path = CONF):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_presets_were_found() -> None:
+    # Guards the glob: if conf/ moves, the parametrised test below would silently cover nothing.
+    assert {"sync_tiny", "async_tiny", "sync_qwen3_8b", "async_qwen3_8b"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_and_validates(preset: str) -> None:
+    cfg = compose_cfg([f"+exp={preset}"])
+    validate(cfg)
+    assert cfg.exp_name == preset  # runs are named after their preset
+
+
+def test_default_is_the_tiny_async_run() -> None:
+    cfg = compose_cfg()
+    validate(cfg)
+    assert cfg.model.path is None  # embedded tiny model
+    assert cfg.pool.name == "async"
+    assert cfg.data.source == "arithmetic"
+    assert cfg.algo.name == "dapo"
+    assert cfg.exp_name == "default"
+
+
+def test_qwen3_8b_presets_carry_the_paper_values() -> None:
+    sync, asyn = compose_cfg(["+exp=sync_qwen3_8b"]), compose_cfg(["+exp=async_qwen3_8b"])
+    for cfg in (sync, asyn):
+        assert cfg.model.path == "Qwen/Qwen3-8B"
+        assert cfg.data.source == "math" and cfg.data.path
+        assert cfg.data.group_size == 16  # paper: G = 16
+        assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)  # paper: clip-higher
+        assert cfg.device == "cuda"
+    assert (sync.pool.name, asyn.pool.name) == ("sync", "async")
+    # The two baselines are the same run except for the pool policy (and the run name).
+    a, b = (OmegaConf.to_container(c, resolve=True) for c in (sync, asyn))
+    for d in (a, b):
+        d.pop("pool"), d.pop("exp_name")
+    assert a == b
+
+
+# ---------------------------------------------------------------- composition errors name the key
+
+
+def test_unknown_key_fails_at_composition() -> None:
+    with pytest.raises(HydraException, match=r"trainer\.foo"):
+        compose_cfg(["trainer.foo=1"])
+
+
+def test_key_added_with_plus_fails_validation() -> None:
+    # Hydra's `+key=` appends even to a typed config; validate re-merges onto the schema.
+    cfg = compose_cfg(["+trainer.foo=1"])
+    with pytest.raises(ConfigError, match=r"trainer\.foo"):
+        validate(cfg)
+
+
+def test_wrong_type_fails_at_composition() -> None:
+    with pytest.raises(HydraException) as info:
+        compose_cfg(["trainer.steps=abc"])
+    text = str(info.value) + str(info.value.__cause__)
+    assert "trainer.steps" in text
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [("trainer:\n  stepz: 5\n", "trainer.stepz"), ("trainer:\n  steps: many\n", "trainer.steps")],
+)
+def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, body: str, key: str) -> None:
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "exp" / "broken.yaml").write_text("# @package _global_\n" + body)
+    with pytest.raises(HydraException) as info:
+        compose_cfg(["+exp=broken"], config_dir=conf)
+    assert key in str(info.value) + str(info.value.__cause__)
+
+
+# ---------------------------------------------------------------- validate names the key
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["pool.name=foo"], "pool.name"),
+        (["data.group_size=1"], "data.group_size"),
+        (["rollout.overlong_buffer=96", "rollout.max_tokens=96"], "rollout.overlong_buffer"),
+        (["rollout.overlong_buffer=200", "rollout.max_tokens=96"], "rollout.overlong_buffer"),
+        (["rollout.overlong_buffer=-1"], "rollout.overlong_buffer"),
+        (["pool=sync", "rollout.sync_every=2"], "rollout.sync_every"),
+        (["+exp=sync_tiny", "rollout.sync_every=2"], "rollout.sync_every"),
+        (["data.source=math"], "data.path"),
+        (["trainer.mini_batches=9", "data.batch_prompts=8"], "trainer.mini_batches"),
+        (["rollout.max_tokens=256", "rollout.max_model_len=256"], "rollout.max_model_len"),
+        (["data.batch_prompts=0"], "data.batch_prompts"),
+        (["rollout.top_p=0"], "rollout.top_p"),
+    ],
+)
+def test_validate_rejects_and_names_the_key(overrides: list[str], key: str) -> None:
+    cfg = compose_cfg(overrides)  # composes: these are value constraints, not type errors
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg)
+
+
+def test_validate_accepts_async_with_sync_every_2() -> None:
+    validate(compose_cfg(["pool=async", "rollout.sync_every=2"]))
+
+
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)

@@ -1,0 +1,457 @@
+"""Tests for pace.pool: fate accounting, dynamic-sampling filter, FIFO batches, admission, threads.
+
+Groups are small fakes (`Group` of `Trajectory`s with chosen rewards); no engine. The `informative`
+callable is the one train.py builds: not all rewards equal (`is_informative`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from omegaconf import OmegaConf
+
+from pace.algo.advantages import is_informative
+from pace.pool import Pool, build_policy
+from pace.pool.base import PoolPolicy
+from pace.pool.policies import POLICIES, AsyncPolicy, SyncPolicy
+from pace.records import Batch, Fate, Group, Trajectory
+
+pytestmark = pytest.mark.unit
+
+MIXED = (1.0, -1.0, 1.0, -1.0)  # informative
+ALL_RIGHT = (1.0, 1.0, 1.0, 1.0)  # filtered
+
+
+def make_group(gid: int, rewards=MIXED, submitted_at: int = 0) -> Group:
+    trajs = [
+        Trajectory(response_ids=[5, 6, 7], logprobs=[-0.5] * 3, versions=[submitted_at] * 3,
+                   completed_at=submitted_at, finish_reason="stop", correct=r > 0, reward=r)
+        for r in rewards
+    ]
+    return Group(id=gid, prompt_id=f"p{gid}", prompt_ids=[1, 2], answer="3", submitted_at=submitted_at, trajectories=trajs)
+
+
+def informative(g: Group) -> bool:
+    return is_informative([t.reward for t in g.trajectories])
+
+
+def make_pool(policy: PoolPolicy | None = None, batch_prompts: int = 2, max_inflight: int = 16) -> Pool:
+    return Pool(policy or AsyncPolicy(batch_prompts=batch_prompts, max_inflight_groups=max_inflight), informative)
+
+
+def submit_and_add(pool: Pool, g: Group, version: int = 0) -> bool:
+    pool.on_submitted(g)
+    return pool.add(g, version)
+
+
+def fate_total(pool: Pool) -> int:
+    c = pool.counts()
+    return sum(c[f.value] for f in Fate)
+
+
+# ---------------------------------------------------------------- accounting and batches
+
+
+def test_lifecycle_counts_and_fates() -> None:
+    pool = make_pool(batch_prompts=2)
+    gs = [make_group(i, ALL_RIGHT if i == 1 else MIXED) for i in range(4)]
+    for g in gs:
+        pool.on_submitted(g)
+        assert g.fate == Fate.INFLIGHT
+    assert pool.counts()["inflight"] == 4 and pool.inflight == 4
+    assert pool.add(gs[0], version=3) is True
+    assert pool.add(gs[1], version=3) is False  # all rewards equal
+    assert gs[0].fate == Fate.POOLED
+    assert (gs[1].fate, gs[1].reason, gs[1].step) == (Fate.FILTERED, "all rewards equal", 3)
+    c = pool.counts()
+    assert (c["submitted"], c["inflight"], c["pooled"], c["filtered"], c["consumed"]) == (4, 2, 1, 1, 0)
+    pool.check_accounting()
+    assert set(g.id for g in pool.remaining()) == {0, 2, 3}
+
+
+def test_add_of_unsubmitted_group_is_an_error() -> None:
+    pool = make_pool()
+    with pytest.raises(KeyError):
+        pool.add(make_group(0), 0)
+
+
+def test_filtered_groups_never_reach_a_batch() -> None:
+    pool = make_pool(batch_prompts=3)
+    for i in range(12):
+        submit_and_add(pool, make_group(i, ALL_RIGHT if i % 2 else MIXED))  # odd ids filtered
+    consumed = []
+    for step in range(2):
+        batch = pool.form_batch(step, timeout=0)
+        assert batch is not None
+        consumed += [g.id for g in batch.groups]
+    assert pool.form_batch(2, timeout=0) is None  # only 6 informative groups existed
+    assert consumed == [0, 2, 4, 6, 8, 10]
+    assert all(g.fate == Fate.CONSUMED for g in pool.drain_decided() if g.id % 2 == 0)
+    c = pool.counts()
+    assert (c["consumed"], c["filtered"], c["pooled"]) == (6, 6, 0)
+    pool.check_accounting()
+
+
+def test_batches_are_fifo_in_completion_order_and_exactly_b() -> None:
+    pool = make_pool(batch_prompts=3)
+    gs = [make_group(i) for i in range(8)]
+    for g in gs:
+        pool.on_submitted(g)
+    completion_order = [5, 2, 7, 0, 3, 1, 6, 4]  # completion order, not submission order
+    for gid in completion_order:
+        pool.add(gs[gid], version=0)
+    b0 = pool.form_batch(0, timeout=0)
+    b1 = pool.form_batch(1, timeout=0)
+    assert isinstance(b0, Batch) and b0.step == 0 and b1.step == 1
+    assert [g.id for g in b0.groups] == [5, 2, 7]
+    assert [g.id for g in b1.groups] == [0, 3, 1]
+    assert all(g.fate == Fate.CONSUMED for g in b0.groups) and all(g.step == 0 for g in b0.groups)
+    assert all(g.step == 1 for g in b1.groups)
+    assert len(b0.trajectories) == 3 * 4
+    assert pool.form_batch(2, timeout=0) is None  # 2 left < B
+    assert [g.id for g in pool.remaining()] == [6, 4]
+    assert pool.batches_formed == 2 and pool.occupancy == 2
+
+
+def test_form_batch_timeout_returns_none_and_changes_nothing() -> None:
+    pool = make_pool(batch_prompts=3)
+    for i in range(2):
+        submit_and_add(pool, make_group(i))
+    t0 = time.monotonic()
+    assert pool.form_batch(0, timeout=0.05) is None
+    assert time.monotonic() - t0 >= 0.04
+    assert pool.batches_formed == 0 and pool.occupancy == 2 and pool.drain_decided() == []
+    submit_and_add(pool, make_group(2))
+    batch = pool.form_batch(0, timeout=0)
+    assert [g.id for g in batch.groups] == [0, 1, 2]
+
+
+def test_form_batch_wakes_when_a_group_arrives() -> None:
+    pool = make_pool(batch_prompts=1)
+    g = make_group(0)
+    pool.on_submitted(g)
+    timer = threading.Timer(0.05, pool.add, args=(g, 0))
+    timer.start()
+    t0 = time.monotonic()
+    batch = pool.form_batch(0, timeout=5.0)
+    timer.join()
+    assert batch is not None and batch.groups[0] is g
+    assert time.monotonic() - t0 < 2.0  # woken by add, not by the timeout
+
+
+def test_form_batch_timeout_is_a_deadline_even_while_groups_trickle_in() -> None:
+    # B = 2 and only filtered groups arrive (one every 20 ms for 0.6 s): no batch can form, so
+    # form_batch(timeout=0.1) must return None after ~0.1 s. train.py relies on this to notice a
+    # rollout failure within 0.5 s.
+    pool = make_pool(batch_prompts=2)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for i in range(30):
+            if stop.is_set():
+                return
+            submit_and_add(pool, make_group(i, ALL_RIGHT))
+            time.sleep(0.02)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        assert pool.form_batch(0, timeout=0.1) is None
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join()
+    assert elapsed < 0.4, f"form_batch(timeout=0.1) blocked {elapsed:.2f} s"
+
+
+def test_drain_decided_returns_each_decided_group_once() -> None:
+    pool = make_pool(batch_prompts=2)
+    for i in range(5):
+        submit_and_add(pool, make_group(i, ALL_RIGHT if i in (1, 3) else MIXED))
+    first = pool.drain_decided()
+    assert sorted(g.id for g in first) == [1, 3]  # filtered at arrival
+    assert pool.drain_decided() == []
+    pool.form_batch(0, timeout=0)
+    second = pool.drain_decided()
+    assert sorted(g.id for g in second) == [0, 2]
+    assert all(g.fate == Fate.CONSUMED for g in second)
+    assert pool.drain_decided() == []
+    assert pool.form_batch(1, timeout=0) is None  # group 4 alone
+    assert pool.drain_decided() == []
+
+
+class _RejectOldest(PoolPolicy):
+    """Test policy: removes the first pooled group as rejected, then takes B FIFO."""
+
+    name = "reject_oldest"
+
+    def select(self, pooled, step):
+        if len(pooled) < self.batch_prompts + 1:
+            return None
+        from pace.pool.base import Selection
+
+        return Selection(batch=pooled[1 : 1 + self.batch_prompts], removed=[(pooled[0], Fate.REJECTED, "oldest")],
+                         metrics={"budget": 1})
+
+
+def test_removed_groups_get_their_fate_and_leave_the_pool() -> None:
+    pool = Pool(_RejectOldest(batch_prompts=2, max_inflight_groups=8), informative)
+    for i in range(4):
+        submit_and_add(pool, make_group(i))
+    batch = pool.form_batch(7, timeout=0)
+    assert [g.id for g in batch.groups] == [1, 2]
+    decided = {g.id: g for g in pool.drain_decided()}
+    assert (decided[0].fate, decided[0].reason, decided[0].step) == (Fate.REJECTED, "oldest", 7)
+    assert [g.id for g in pool.remaining()] == [3]
+    assert pool.last_metrics == {"budget": 1}
+    c = pool.counts()
+    assert (c["rejected"], c["consumed"], c["pooled"]) == (1, 2, 1)
+    pool.check_accounting()
+
+
+def test_check_accounting_detects_a_lost_group() -> None:
+    pool = make_pool()
+    submit_and_add(pool, make_group(0))
+    pool._pooled.clear()  # simulate a bug that drops a group silently
+    with pytest.raises(AssertionError, match="fate accounting"):
+        pool.check_accounting()
+
+
+# ---------------------------------------------------------------- admission
+
+
+def test_sync_admission_one_batch_per_version() -> None:
+    pool = Pool(SyncPolicy(batch_prompts=2, max_inflight_groups=16), informative)
+    g = [make_group(i, ALL_RIGHT if i == 1 else MIXED) for i in range(6)]
+    assert pool.admits(engine_version=0, trainer_version=0)
+    pool.on_submitted(g[0])
+    assert pool.admits(0, 0)  # 1 < B
+    pool.on_submitted(g[1])
+    assert not pool.admits(0, 0)  # pooled + inflight = 2 = B
+    pool.add(g[0], 0)
+    assert not pool.admits(0, 0)  # pooled 1 + inflight 1
+    pool.add(g[1], 0)  # filtered: frees its slot, dynamic sampling regenerates
+    assert pool.admits(0, 0)
+    submit_and_add(pool, g[2])
+    assert not pool.admits(0, 0)  # pooled 2 = B
+    assert pool.form_batch(0, timeout=0) is not None
+    # Batch 0 formed; the engine still holds θ_0 until the update is synced.
+    assert not pool.admits(engine_version=0, trainer_version=0)
+    assert not pool.admits(engine_version=0, trainer_version=1)
+    assert pool.admits(engine_version=1, trainer_version=1)
+    assert not pool.admits(engine_version=2, trainer_version=2)  # engine must hold exactly θ_{batches formed}
+
+
+def test_sync_admission_respects_inflight_cap() -> None:
+    pool = Pool(SyncPolicy(batch_prompts=4, max_inflight_groups=2), informative)
+    pool.on_submitted(make_group(0))
+    assert pool.admits(0, 0)
+    pool.on_submitted(make_group(1))
+    assert not pool.admits(0, 0)  # cap 2 reached though 2 < B = 4
+
+
+def test_async_admission_only_caps_inflight() -> None:
+    pool = Pool(AsyncPolicy(batch_prompts=2, max_inflight_groups=3), informative)
+    for i in range(10):  # a full pool does not stop an async rollout
+        submit_and_add(pool, make_group(i))
+    assert pool.occupancy == 10
+    assert pool.admits(engine_version=0, trainer_version=7)
+    gs = [make_group(100 + i) for i in range(3)]
+    for g in gs[:2]:
+        pool.on_submitted(g)
+    assert pool.admits(0, 0)
+    pool.on_submitted(gs[2])
+    assert not pool.admits(0, 0)  # inflight 3 = cap
+    pool.add(gs[0], 0)
+    assert pool.admits(5, 0)  # any engine version
+
+
+@pytest.mark.parametrize("name, cls", [("sync", SyncPolicy), ("async", AsyncPolicy)])
+def test_build_policy(name: str, cls: type) -> None:
+    cfg = OmegaConf.create({"pool": {"name": name}, "data": {"batch_prompts": 5}, "rollout": {"max_inflight_groups": 7}})
+    policy = build_policy(cfg)
+    assert type(policy) is cls
+    assert (policy.batch_prompts, policy.max_inflight_groups) == (5, 7)
+    assert POLICIES[name] is cls
+
+
+# ---------------------------------------------------------------- stateful: accounting under any sequence
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random submit / add / form_batch / drain sequences against a plain model of the pool."""
+
+    B = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = make_pool(batch_prompts=self.B, max_inflight=10**6)
+        self.next_id = 0
+        self.inflight: list[Group] = []
+        self.pooled: list[int] = []  # model: ids in completion order
+        self.fates: dict[int, Fate] = {}
+        self.undrained: set[int] = set()
+        self.drained: set[int] = set()
+        self.step = 0
+
+    @rule(useful=st.booleans())
+    def submit(self, useful: bool) -> None:
+        g = make_group(self.next_id, MIXED if useful else ALL_RIGHT)
+        self.next_id += 1
+        self.pool.on_submitted(g)
+        self.inflight.append(g)
+        self.fates[g.id] = Fate.INFLIGHT
+
+    @precondition(lambda self: self.inflight)
+    @rule(data=st.data())
+    def complete(self, data) -> None:
+        g = self.inflight.pop(data.draw(st.integers(0, len(self.inflight) - 1)))
+        pooled = self.pool.add(g, self.step)
+        assert pooled == informative(g)
+        if pooled:
+            self.pooled.append(g.id)
+            self.fates[g.id] = Fate.POOLED
+        else:
+            self.fates[g.id] = Fate.FILTERED
+            self.undrained.add(g.id)
+
+    @rule()
+    def form(self) -> None:
+        batch = self.pool.form_batch(self.step, timeout=0)
+        if len(self.pooled) < self.B:
+            assert batch is None
+            return
+        expected, self.pooled = self.pooled[: self.B], self.pooled[self.B :]
+        assert [g.id for g in batch.groups] == expected
+        for gid in expected:
+            assert self.fates[gid] == Fate.POOLED  # never consumed twice
+            self.fates[gid] = Fate.CONSUMED
+            self.undrained.add(gid)
+        self.step += 1
+
+    @rule()
+    def drain(self) -> None:
+        ids = [g.id for g in self.pool.drain_decided()]
+        assert len(ids) == len(set(ids))
+        assert set(ids) == self.undrained
+        assert not (set(ids) & self.drained)  # each decided group exactly once
+        self.drained |= set(ids)
+        self.undrained = set()
+
+    @invariant()
+    def accounting(self) -> None:
+        self.pool.check_accounting()
+        c = self.pool.counts()
+        assert c["submitted"] == self.next_id == fate_total(self.pool)
+        for fate in Fate:
+            assert c[fate.value] == sum(f == fate for f in self.fates.values()), fate
+        assert self.pool.batches_formed == self.step
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------- threads
+
+
+def test_threaded_producer_consumer_async() -> None:
+    B, steps, extra = 4, 30, 3
+    pool = make_pool(AsyncPolicy(batch_prompts=B, max_inflight_groups=6))
+    n_useful = B * steps + extra
+    produced_filtered: list[int] = []
+    errors: list[BaseException] = []
+
+    def producer() -> None:
+        try:
+            gid, useful = 0, 0
+            while useful < n_useful:
+                if not pool.admits(0, 0):
+                    time.sleep(0.0005)
+                    continue
+                filtered = gid % 3 == 2
+                g = make_group(gid, ALL_RIGHT if filtered else MIXED)
+                pool.on_submitted(g)
+                if gid % 7 == 0:
+                    time.sleep(0.001)  # let the consumer interleave
+                pool.add(g, version=0)
+                if filtered:
+                    produced_filtered.append(gid)
+                else:
+                    useful += 1
+                gid += 1
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
+            errors.append(exc)
+
+    t = threading.Thread(target=producer)
+    t.start()
+    batches, drained = [], []
+    for step in range(steps):
+        batch = pool.form_batch(step, timeout=10.0)
+        assert batch is not None, f"no batch at step {step}"
+        batches.append(batch)
+        drained += pool.drain_decided()
+    t.join(timeout=10.0)
+    assert not t.is_alive() and not errors
+    drained += pool.drain_decided()
+
+    consumed = [g.id for b in batches for g in b.groups]
+    assert all(len(b.groups) == B for b in batches)
+    assert len(consumed) == len(set(consumed)) == B * steps  # nobody consumed twice
+    assert consumed == sorted(consumed)  # FIFO: one producer completes groups in id order
+    assert not set(consumed) & set(produced_filtered)
+    assert all(g.fate == Fate.CONSUMED for b in batches for g in b.groups)
+    assert [b.step for b in batches] == list(range(steps))
+    drained_ids = [g.id for g in drained]
+    assert len(drained_ids) == len(set(drained_ids))
+    assert set(drained_ids) == set(consumed) | set(produced_filtered)
+    c = pool.counts()
+    assert (c["consumed"], c["filtered"], c["pooled"], c["inflight"]) == (B * steps, len(produced_filtered), extra, 0)
+    pool.check_accounting()
+
+
+def test_threaded_sync_batches_are_on_policy() -> None:
+    # Rollout thread obeys SyncPolicy admission and tags each group with the engine version it was
+    # generated with; the trainer "syncs" (engine_version = j + 1) after forming batch j. Every
+    # group of batch j must have been generated with θ_j, and no generation overlaps training.
+    B, steps = 3, 8
+    pool = Pool(SyncPolicy(batch_prompts=B, max_inflight_groups=16), informative)
+    engine = {"version": 0}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def rollout() -> None:
+        try:
+            gid = 0
+            while not stop.is_set():
+                v = engine["version"]
+                if not pool.admits(v, v):
+                    time.sleep(0.0005)
+                    continue
+                g = make_group(gid, ALL_RIGHT if gid % 4 == 3 else MIXED, submitted_at=v)
+                pool.on_submitted(g)
+                pool.add(g, v)
+                gid += 1
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=rollout)
+    t.start()
+    try:
+        for step in range(steps):
+            batch = pool.form_batch(step, timeout=10.0)
+            assert batch is not None
+            assert [g.submitted_at for g in batch.groups] == [step] * B
+            assert pool.occupancy == 0 and pool.inflight == 0  # exactly one batch was generated
+            engine["version"] = step + 1
+    finally:
+        stop.set()
+        t.join(timeout=10.0)
+    assert not errors
+    pool.check_accounting()
+    assert pool.counts()["consumed"] == B * steps
