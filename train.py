@@ -147,7 +147,8 @@ def run(cfg: DictConfig) -> None:
     run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     progress = cfg.logger.progress and main_rank
 
-    model_path = resolve_model(cfg, progress)
+    with accelerator.main_process_first():  # rank 0 builds the tiny model once; the others reuse it
+        model_path = resolve_model(cfg, progress)
     if main_rank:  # bad data fails here, before the trainer and the engine are built
         from transformers import AutoTokenizer
 

@@ -21,6 +21,10 @@ def configure_environment(rollout_cfg, device: str) -> None:
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # Every in-place reload warns that rotary embeddings (no weights, only buffers) loaded nothing.
+    import logging
+
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)
@@ -50,16 +54,24 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int):
 
 
 def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Reload weights in place (between engine steps), then drop the prefix cache.
+    """Reload weights in place (between engine steps) and invalidate cached prefixes.
 
     `model.load_weights` is not enough on CPU: linear weights are repacked after loading, and
-    vLLM's `reload_weights` redoes that processing. KV entries computed with the old weights stay
-    valid for in-flight requests (their tokens are what they are); only cached prefixes are reset,
-    so new requests recompute their prompts under the new weights.
+    vLLM's `reload_weights` redoes that processing. In-flight requests keep their KV entries and
+    continue under the new weights. No new request may reuse a prefix computed under older
+    weights: the rollout salts every request's prefix-cache key with the weight version
+    (`cache_salt`), which holds even while requests run; vLLM's `reset_prefix_cache` refuses while
+    blocks are in use, so it is called (to free the old entries) only when the engine is idle.
     """
     weights = list(named_tensors)
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    llm.llm_engine.reset_prefix_cache()
+    if not llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.reset_prefix_cache()
+
+
+def cache_salt(version: int) -> str:
+    """Prefix-cache salt of requests served by weight version ``version``."""
+    return f"v{version}"
 
 
 def shutdown(llm) -> None:

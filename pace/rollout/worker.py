@@ -98,6 +98,7 @@ class RolloutWorker(threading.Thread):
         return {
             "rollout/tokens_per_s": (s["tokens"] - tokens) / dt,
             "rollout/busy": (s["gen_s"] - gen_s) / dt,
+            "time/generate": s["gen_s"] - gen_s,  # engine step time in this interval (overlaps training when async)
             "rollout/engine_version": self.engine_version,
             "rollout/sync_apply_s": s["sync_s"],
         }
@@ -164,7 +165,8 @@ class RolloutWorker(threading.Thread):
             self.pool.on_submitted(group)
             self._pending[group.id] = _Pending(group, self.group_size)
             for i in range(self.group_size):
-                self.engine.add_request(f"g{group.id}-{i}", {"prompt_token_ids": group.prompt_ids}, self.params)
+                prompt = {"prompt_token_ids": group.prompt_ids, "cache_salt": engine_lib.cache_salt(self.engine_version)}
+                self.engine.add_request(f"g{group.id}-{i}", prompt, self.params)
             started = True
         return started
 

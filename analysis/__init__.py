@@ -1,0 +1,1 @@
+"""Rebuild numbers, figures and tables from run logs (local run directories or wandb)."""

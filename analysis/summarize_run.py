@@ -1,0 +1,65 @@
+"""Print what a run did: learning, staleness decomposition, fates, time per phase; check the invariants.
+
+    python analysis/summarize_run.py runs/async_tiny/2026-11-29_16-30-00 [more run dirs ...]
+
+Checks, per run: Lemma 1 (K = K_gen + K_wait, to 1e-9) on every group with a decided step, and
+the fate accounting (groups submitted = Σ fates = rows logged). Exit status 1 if one fails.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from analysis.runs import load_run  # noqa: E402
+
+PHASES = ["time/step", "time/generate", "time/wait_data", "time/train", "time/sync"]
+
+
+def summarize(run_dir: str, window: int = 20) -> bool:
+    run = load_run(run_dir)
+    s, g = run.steps, run.groups
+    print(f"== {run.dir}  ({run.summary.get('status', 'no summary')}, {len(s)} steps)")
+    r = s["train/reward_mean"]
+    print(f"reward mean: first {window} steps {r.head(window).mean():+.3f}   last {window} steps {r.tail(window).mean():+.3f}")
+    print(f"accuracy:    first {window} steps {s['train/acc_mean'].head(window).mean():.3f}   last {window} steps {s['train/acc_mean'].tail(window).mean():.3f}")
+    times = "  ".join(f"{k.split('/')[1]} {s[k].mean():.3f}" for k in PHASES if k in s)
+    print(f"seconds per step (mean): {times}")
+    ok = True
+    if not g.empty:
+        consumed = g[g.fate == "consumed"]
+        print(
+            f"consumed groups: {len(consumed)}  K {consumed.k.mean():.3f} = K_gen {consumed.k_gen.mean():.3f}"
+            f" + K_wait {consumed.k_wait.mean():.3f}   with K_gen > 0: {(consumed.k_gen > 0).sum()}"
+            f"   spanning >1 version: {(consumed.versions_spanned > 1).sum()}"
+        )
+        decided = g.dropna(subset=["k"])
+        err = (decided.k - decided.k_gen - decided.k_wait).abs().max() if len(decided) else 0.0
+        lemma = err <= 1e-9
+        print(f"Lemma 1 on {len(decided)} groups: max |K - K_gen - K_wait| = {err:.2e}  {'ok' if lemma else 'FAILED'}")
+        ok &= bool(lemma)
+    fates = run.summary.get("fates")
+    if fates:
+        total = sum(v for k, v in fates.items() if k != "submitted")
+        acct = total == fates["submitted"] == len(g)
+        print(f"fates: {fates}  sum {total} == submitted {fates['submitted']} == rows {len(g)}: {'ok' if acct else 'FAILED'}")
+        ok &= acct
+    return ok
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--window", type=int, default=20)
+    args = ap.parse_args()
+    try:
+        ok = all([summarize(r, args.window) for r in args.runs])
+    except FileNotFoundError as exc:
+        sys.exit(f"error: {exc}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The DAPO trainer on the tiny model (single process, CPU): a step moves the policy the right way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_path):
+    from accelerate import Accelerator
+    from omegaconf import OmegaConf
+
+    from pace.config import Config
+
+    cfg = OmegaConf.structured(Config)
+    cfg.trainer.lr, cfg.trainer.micro_batch_size = 1e-5, 3  # micro-batching exercised: 4 trajectories
+    return tiny_model_path, cfg, Accelerator(cpu=True)
+
+
+def _batch(tokenizer, model, prompt_text="12+34=?\n"):
+    """One group: a right and a wrong worked answer, twice each, with A = +1 and A = -1."""
+    from pace.algo.trainer import token_logprobs
+    from pace.records import Batch, Group, Trajectory
+
+    prompt = tokenizer(prompt_text, add_special_tokens=False).input_ids
+    trajs = []
+    for text, adv in [("12+34=46\nAnswer: 46", 1.0), ("12+34=47\nAnswer: 47", -1.0)] * 2:
+        resp = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        full = torch.tensor([prompt + resp])
+        with torch.no_grad():
+            lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], 1.0)
+        logprobs = lp[0, len(prompt) - 1 :].tolist()  # behaviour = the current policy (on-policy)
+        trajs.append(Trajectory(resp, logprobs, [0] * len(resp), 0, "stop", advantage=adv))
+    return Batch(step=0, groups=[Group(0, "p0", prompt, "46", 0, trajs)])
+
+
+def _seq_logprob(model, prompt, traj):
+    from pace.algo.trainer import token_logprobs
+
+    full = torch.tensor([prompt + traj.response_ids])
+    with torch.no_grad():
+        lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], 1.0)
+    return lp[0, len(prompt) - 1 :].sum().item()
+
+
+def test_step_raises_positive_and_lowers_negative_advantage_responses(setup):
+    from transformers import AutoTokenizer
+
+    from pace.algo.trainer import DAPOTrainer
+
+    path, cfg, acc = setup
+    trainer = DAPOTrainer(path, cfg, acc)
+    model = acc.unwrap_model(trainer.model)
+    batch = _batch(AutoTokenizer.from_pretrained(path), model)
+    prompt = batch.groups[0].prompt_ids
+    before = [_seq_logprob(model, prompt, t) for t in batch.trajectories]
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    metrics = trainer.step(batch)
+
+    after = [_seq_logprob(model, prompt, t) for t in batch.trajectories]
+    assert trainer.version == 1
+    assert metrics["train/ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy: π_θ == μ before the update
+    assert metrics["train/clipfrac"] == 0.0
+    for b, a, t in zip(before, after, batch.trajectories):
+        assert (a - b) * t.advantage > 0, (b, a, t.advantage)
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, params[n])]
+    assert set(changed) == set(params), set(params) - set(changed)
+
+
+def test_full_state_dict_matches_model_and_is_a_copy(setup):
+    from pace.algo.trainer import DAPOTrainer
+
+    path, cfg, acc = setup
+    trainer = DAPOTrainer(path, cfg, acc)
+    weights = dict(trainer.full_state_dict())
+    model = acc.unwrap_model(trainer.model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(weights[name], tensor)
+        assert weights[name].data_ptr() != tensor.data_ptr()
