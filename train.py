@@ -207,6 +207,7 @@ def run(cfg: DictConfig) -> None:
                 metrics.update(step_metrics(batch, pool, decided, t_wait))
                 metrics["time/step"] = time.perf_counter() - t_step
                 metrics.update(rollout.metrics())
+                metrics.update(grader.stats())  # reward/{graded,timeouts,errors,restarts}
                 logger.log(step, metrics)
                 logger.log_groups(decided, step)
                 bar.set_postfix(
