@@ -63,7 +63,7 @@ class TinySpec:
     intermediate_size: int = 384
     max_position_embeddings: int = 256
     # SFT warm start; sft_steps sets how far the model gets (tuned for partial accuracy)
-    sft_steps: int = 600
+    sft_steps: int = 700
     batch_size: int = 64
     lr: float = 3e-3  # peak; linear warmup, cosine decay to lr/10
     warmup_steps: int = 30
@@ -130,6 +130,8 @@ def build_tiny(spec: TinySpec, cache_dir: str | Path, progress: bool = True) -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
     try:
         _build(spec, tmp, progress)
+        for path in [tmp, *tmp.iterdir()]:  # mkdtemp (and safetensors) make them private; the cache is shared
+            path.chmod(0o755 if path.is_dir() else 0o644)
         try:
             os.rename(tmp, target)
         except OSError:  # someone else finished first: theirs is as good as ours
@@ -158,7 +160,7 @@ def _build(spec: TinySpec, out: Path, progress: bool) -> None:
         "build_version": BUILD_VERSION,
         "n_params": sum(p.numel() for p in model.parameters()),
         "sft_steps": spec.sft_steps,
-        "sft_final_loss": final_loss,
+        "sft_final_loss": final_loss,  # EMA of the per-token response loss
         **stats,
         "build_seconds": round(time.perf_counter() - start, 1),
         "versions": {

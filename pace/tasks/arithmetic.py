@@ -13,15 +13,15 @@ Operands have a width drawn uniformly in 1..digits (so ``12+345+7`` mixes widths
 the model never has to produce a sign, only borrow. Response length grows with the number
 of terms, so rollouts of the hard levels are several times longer than the easy ones.
 
-Levels (tokens are characters, as in ``pace.tiny``'s tokenizer; EOS not counted; measured
-on 1,000 prompts per level):
+Levels (tokens are characters, as in ``pace.tiny``'s tokenizer; prompt includes its "\\n",
+response excludes EOS; over the 1,000 prompts per level of the default train split):
 
     | level | terms | digits | prompt tokens | response tokens (min / mean / max) |
     | ----- | ----- | ------ | ------------- | ---------------------------------- |
-    | 1     | 2     | ≤ 2    | 6–8           | 13 / 17.7 / 21                     |
-    | 2     | 3     | ≤ 2    | 8–11          | 22 / 27.3 / 32                     |
-    | 3     | 4     | ≤ 3    | 10–18         | 29 / 42.5 / 53                     |
-    | 4     | 5     | ≤ 3    | 12–22         | 39 / 54.8 / 67                     |
+    | 1     | 2     | ≤ 2    | 6–8           | 15 / 18.4 / 21                     |
+    | 2     | 3     | ≤ 2    | 8–11          | 21 / 26.7 / 32                     |
+    | 3     | 4     | ≤ 3    | 10–18         | 27 / 42.0 / 53                     |
+    | 4     | 5     | ≤ 3    | 12–22         | 33 / 53.1 / 67                     |
 """
 from __future__ import annotations
 
