@@ -83,11 +83,23 @@ def load_prompts(cfg, tokenizer):
 
 
 def step_metrics(batch, pool, decided, t_wait: float) -> dict:
-    """Staleness of the consumed groups, pool state, rollout throughput (DESIGN §6 names)."""
+    """Staleness of the consumed groups, pool state, rollout throughput (DESIGN §6 names).
+
+    `train/*` describe the consumed batch, which dynamic sampling restricts to mixed groups;
+    `rollout/{acc,reward}_mean` describe every group completed since the last step, filtered or
+    not: the unbiased view of how good the current policy is.
+    """
     ks = [g.staleness(batch.step) for g in batch.groups]
     trajs = batch.trajectories
     n = len(ks)
+    arrived = pool.drain_arrived()
+    produced = [t for g in arrived for t in g.trajectories]
+    rollout = {"rollout/groups_completed": len(arrived)}
+    if produced:
+        rollout["rollout/acc_mean"] = sum(t.correct for t in produced) / len(produced)
+        rollout["rollout/reward_mean"] = sum(t.reward for t in produced) / len(produced)
     return {
+        **rollout,
         "train/reward_mean": sum(t.reward for t in trajs) / len(trajs),
         "train/acc_mean": sum(t.correct for t in trajs) / len(trajs),
         "train/response_len": sum(len(t) for t in trajs) / len(trajs),

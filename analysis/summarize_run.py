@@ -25,6 +25,9 @@ def summarize(run_dir: str, window: int = 20) -> bool:
     r = s["train/reward_mean"]
     print(f"reward mean: first {window} steps {r.head(window).mean():+.3f}   last {window} steps {r.tail(window).mean():+.3f}")
     print(f"accuracy:    first {window} steps {s['train/acc_mean'].head(window).mean():.3f}   last {window} steps {s['train/acc_mean'].tail(window).mean():.3f}")
+    if "rollout/acc_mean" in s:
+        a = s["rollout/acc_mean"]
+        print(f"accuracy of all completed groups (incl. filtered): first {window} steps {a.head(window).mean():.3f}   last {window} steps {a.tail(window).mean():.3f}")
     times = "  ".join(f"{k.split('/')[1]} {s[k].mean():.3f}" for k in PHASES if k in s)
     print(f"seconds per step (mean): {times}")
     ok = True

@@ -49,7 +49,7 @@ class RolloutConfig:
     overlong_buffer: int = 16  # L_cache (DAPO soft overlong punishment)
     temperature: float = 1.0
     top_p: float = 1.0
-    max_inflight_groups: int = 16  # cap on groups submitted and not yet pooled
+    max_inflight_groups: int = 64  # cap on groups submitted and not yet pooled
     sync_every: int = 1  # weight sync every N training steps
     max_model_len: int = 256
     max_num_seqs: int = 256
@@ -90,7 +90,7 @@ class TrainerConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
+    warmup_steps: int = 10  # linear warm-up: Adam's first steps are sign-like and large
     grad_clip: float = 1.0
     mini_batches: int = 1  # optimizer updates per training step
     micro_batch_size: int = 64  # sequences per forward/backward

@@ -79,6 +79,7 @@ class Pool:
         self._inflight: dict[int, Group] = {}
         self._counts: Counter[Fate] = Counter()
         self._decided: list[Group] = []  # fates decided since the last drain (for logging)
+        self._arrived_since: list[Group] = []  # groups completed since the last drain (pooled or filtered)
         self.submitted = 0
         self.batches_formed = 0
         self.last_metrics: dict = {}  # the policy's metrics at the last formed batch
@@ -98,6 +99,7 @@ class Pool:
         """A complete, graded group arrives at trainer version ``version``. Returns True if pooled."""
         with self._arrived:
             del self._inflight[group.id]
+            self._arrived_since.append(group)
             if self.informative(group):
                 group.fate = Fate.POOLED
                 self._pooled.append(group)
@@ -132,6 +134,12 @@ class Pool:
     def drain_decided(self) -> list[Group]:
         with self._lock:
             out, self._decided = self._decided, []
+            return out
+
+    def drain_arrived(self) -> list[Group]:
+        """Groups completed since the last call, filtered or not: what the current policy produces."""
+        with self._lock:
+            out, self._arrived_since = self._arrived_since, []
             return out
 
     def wake(self) -> None:

@@ -21,10 +21,6 @@ def configure_environment(rollout_cfg, device: str) -> None:
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # Every in-place reload warns that rotary embeddings (no weights, only buffers) loaded nothing.
-    import logging
-
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)
@@ -33,9 +29,11 @@ def configure_environment(rollout_cfg, device: str) -> None:
 
 
 def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int):
+    import logging
+
     from vllm import LLM
 
-    return LLM(
+    llm = LLM(
         model=model_path,
         dtype=dtype,
         seed=seed,
@@ -51,6 +49,10 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int):
         # ℓ^μ must be the log-prob of the distribution actually sampled (after temperature / top-p).
         logprobs_mode="processed_logprobs",
     )
+    # Every in-place reload warns that rotary embeddings (a cache buffer, no checkpoint weights)
+    # loaded nothing; vLLM (re)configures its loggers while building the engine, so quiet it after.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    return llm
 
 
 def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

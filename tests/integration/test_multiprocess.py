@@ -31,7 +31,7 @@ def test_loss_and_gradient_do_not_depend_on_world_size(tiny_model_path):
 
 
 def test_two_process_train_run(tiny_model_path, tmp_path):
-    cmd = [*LAUNCH, "--num_processes", "2", str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=3",
+    cmd = [*LAUNCH, "--num_processes", "2", str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=3", "data.batch_prompts=8", "rollout.max_inflight_groups=16",
            "logger.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,6 +14,7 @@ from tests.conftest import ROOT, run_train
 
 pytestmark = pytest.mark.integration
 
+SMALL = ["data.batch_prompts=8", "rollout.max_inflight_groups=16"]  # B = 8: quick steps, same code path
 STEP_KEYS = [
     "train/reward_mean", "train/loss", "train/clipfrac", "train/entropy", "train/response_len",
     "pool/occupancy", "pool/rejected", "staleness/k_mean", "staleness/k_gen_mean", "staleness/k_wait_mean",
@@ -40,7 +41,7 @@ def _check_accounting(groups, summary):
 
 def test_async_run_logs_everything(tiny_model_path, tmp_path):
     steps = 6
-    proc = run_train(["+exp=async_tiny", f"trainer.steps={steps}", "logger.mode=offline"], tmp_path)
+    proc = run_train(["+exp=async_tiny", f"trainer.steps={steps}", "logger.mode=offline", *SMALL], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics, groups, summary = _read(tmp_path)
     assert [m["step"] for m in metrics] == list(range(steps))
@@ -59,7 +60,7 @@ def test_async_run_logs_everything(tiny_model_path, tmp_path):
 
 
 def test_sync_run_is_on_policy(tiny_model_path, tmp_path):
-    proc = run_train(["+exp=sync_tiny", "trainer.steps=3", "logger.mode=disabled"], tmp_path)
+    proc = run_train(["+exp=sync_tiny", "trainer.steps=3", "logger.mode=disabled", *SMALL], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics, groups, summary = _read(tmp_path)
     _check_accounting(groups, summary)
@@ -71,7 +72,7 @@ def test_sync_run_is_on_policy(tiny_model_path, tmp_path):
 
 
 def test_sigint_stops_cleanly(tiny_model_path, tmp_path):
-    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=100000", "logger.mode=disabled",
+    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=100000", "logger.mode=disabled", *SMALL,
            f"hydra.run.dir={tmp_path}", "logger.progress=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"

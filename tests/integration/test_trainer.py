@@ -16,6 +16,7 @@ def setup(tiny_model_path):
 
     cfg = OmegaConf.structured(Config)
     cfg.trainer.lr, cfg.trainer.micro_batch_size = 1e-5, 3  # micro-batching exercised: 4 trajectories
+    cfg.trainer.warmup_steps = 0
     return tiny_model_path, cfg, Accelerator(cpu=True)
 
 
