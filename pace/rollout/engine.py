@@ -49,9 +49,12 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int):
         # ℓ^μ must be the log-prob of the distribution actually sampled (after temperature / top-p).
         logprobs_mode="processed_logprobs",
     )
-    # Every in-place reload warns that rotary embeddings (a cache buffer, no checkpoint weights)
-    # loaded nothing; vLLM (re)configures its loggers while building the engine, so quiet it after.
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    # Two warnings that repeat and mean nothing here: every in-place reload says rotary embeddings
+    # (a cache buffer, no checkpoint weights) loaded nothing, and vLLM's CPU worker says it ignores
+    # torch.set_num_threads (it replaced the function). vLLM configures its loggers while building
+    # the engine, so they are quieted after.
+    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.cpu_worker"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     return llm
 
 
