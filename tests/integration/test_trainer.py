@@ -20,20 +20,22 @@ def setup(tiny_model_path):
     return tiny_model_path, cfg, Accelerator(cpu=True)
 
 
-def _batch(tokenizer, model, prompt_text="12+34=?\n"):
-    """One group: a right and a wrong worked answer, twice each, with A = +1 and A = -1."""
+def _batch(tokenizer, model, advantage: float, prompt_text="12+34=?\n"):
+    """One group: the worked answer twice, both with the given advantage, behaviour = current policy.
+
+    The advantage has one sign in the batch on purpose: with opposite signs on shared tokens the
+    gradients cancel to rounding noise, which Adam's first (sign-like) step turns into a random move.
+    """
     from pace.algo.trainer import token_logprobs
     from pace.records import Batch, Group, Trajectory
 
     prompt = tokenizer(prompt_text, add_special_tokens=False).input_ids
-    trajs = []
-    for text, adv in [("12+34=46\nAnswer: 46", 1.0), ("12+34=47\nAnswer: 47", -1.0)] * 2:
-        resp = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        full = torch.tensor([prompt + resp])
-        with torch.no_grad():
-            lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], 1.0)
-        logprobs = lp[0, len(prompt) - 1 :].tolist()  # behaviour = the current policy (on-policy)
-        trajs.append(Trajectory(resp, logprobs, [0] * len(resp), 0, "stop", advantage=adv))
+    resp = tokenizer("12+34=46\nAnswer: 46", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    full = torch.tensor([prompt + resp])
+    with torch.no_grad():
+        lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], 1.0)
+    logprobs = lp[0, len(prompt) - 1 :].tolist()
+    trajs = [Trajectory(list(resp), list(logprobs), [0] * len(resp), 0, "stop", advantage=advantage) for _ in range(2)]
     return Batch(step=0, groups=[Group(0, "p0", prompt, "46", 0, trajs)])
 
 
@@ -46,7 +48,8 @@ def _seq_logprob(model, prompt, traj):
     return lp[0, len(prompt) - 1 :].sum().item()
 
 
-def test_step_raises_positive_and_lowers_negative_advantage_responses(setup):
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_step_moves_the_response_logprob_with_the_advantage(setup, advantage):
     from transformers import AutoTokenizer
 
     from pace.algo.trainer import DAPOTrainer
@@ -54,19 +57,18 @@ def test_step_raises_positive_and_lowers_negative_advantage_responses(setup):
     path, cfg, acc = setup
     trainer = DAPOTrainer(path, cfg, acc)
     model = acc.unwrap_model(trainer.model)
-    batch = _batch(AutoTokenizer.from_pretrained(path), model)
-    prompt = batch.groups[0].prompt_ids
-    before = [_seq_logprob(model, prompt, t) for t in batch.trajectories]
+    batch = _batch(AutoTokenizer.from_pretrained(path), model, advantage)
+    prompt, traj = batch.groups[0].prompt_ids, batch.trajectories[0]
+    before = _seq_logprob(model, prompt, traj)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     metrics = trainer.step(batch)
 
-    after = [_seq_logprob(model, prompt, t) for t in batch.trajectories]
+    after = _seq_logprob(model, prompt, traj)
     assert trainer.version == 1
     assert metrics["train/ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy: π_θ == μ before the update
     assert metrics["train/clipfrac"] == 0.0
-    for b, a, t in zip(before, after, batch.trajectories):
-        assert (a - b) * t.advantage > 0, (b, a, t.advantage)
+    assert (after - before) * advantage > 0, (before, after)
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, params[n])]
     assert set(changed) == set(params), set(params) - set(changed)
 
