@@ -70,7 +70,21 @@ class RewardConfig:
 
 @dataclass
 class PoolConfig:
-    name: str = "async"  # sync | async  (stale_k, gate, pace: see issue #3)
+    name: str = "async"  # sync | async | stale_k | gate | pace
+    max_lag: float = 4.0  # stale_k: drop at consumption when K > max_lag
+    max_head_offpolicyness: int = 4  # gate: η, generation at most η batches ahead of training
+
+
+@dataclass
+class PaceConfig:
+    """PACE (pool.name=pace): DESIGN §3, Algorithm 1."""
+
+    score: str = "effective"  # effective | raw | generation
+    gamma: float = 1.0  # sharpening of the PFS percentile u (paper: 1, 2, 4)
+    target_pool: Optional[int] = None  # n*, in groups; null = B
+    ema: float = 0.9  # β of the rejection rate ρ
+    score_window: int = 512  # PFS values the percentile rank u is taken over
+    prefix_tokens: int = 16  # m: response tokens rescored for the PFS
 
 
 @dataclass
@@ -118,6 +132,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    pace: PaceConfig = field(default_factory=PaceConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -131,7 +146,8 @@ _CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "data.source": ("arithmetic", "math"),
-    "pool.name": ("sync", "async"),
+    "pool.name": ("sync", "async", "stale_k", "gate", "pace"),
+    "pace.score": ("effective", "raw", "generation"),
     "algo.name": ("dapo",),
     "algo.ratio_ref": ("behavior",),
     "algo.filter_on": ("acc", "reward"),
@@ -166,6 +182,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("trainer.mini_batches must be <= data.batch_prompts (mini-batches split groups)")
     if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:
         raise ConfigError("pool.name=sync trains on-policy: it needs rollout.sync_every=1")
+    if cfg.pace.target_pool is not None and cfg.pace.target_pool < cfg.data.batch_prompts:
+        raise ConfigError("pace.target_pool must be >= data.batch_prompts (the trainer needs B groups)")
+    if not 0 <= cfg.pace.ema < 1:
+        raise ConfigError(f"pace.ema must be in [0, 1), got {cfg.pace.ema}")
+    if cfg.pace.gamma < 0 or cfg.pace.score_window < 1 or cfg.pace.prefix_tokens < 1:
+        raise ConfigError("pace.gamma must be >= 0, pace.score_window and pace.prefix_tokens >= 1")
     if cfg.data.source == "math" and not cfg.data.path:
         raise ConfigError("data.source=math needs data.path (a hub id or a local file)")
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:

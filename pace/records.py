@@ -55,6 +55,8 @@ class Group:
     step: int | None = None  # trainer step at which the fate was decided (consumed/rejected/…)
     pfs: float | None = None  # Prefix Forgetting Score (PACE), None when not rescored
     scores: dict = field(default_factory=dict)  # policy-specific ranking values, logged per group
+    pfs_version: int | None = None  # engine version the PFS was computed under
+    _k_gen: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def completed_at(self) -> int:
@@ -72,8 +74,11 @@ class Group:
         )
 
     def k_gen(self) -> float:
-        # K_gen does not depend on the step; any step ≥ completion gives the same value.
-        return self.staleness(self.completed_at)[1]
+        """Generation Staleness: fixed once the group is complete, so computed once."""
+        if self._k_gen is None:
+            # K_gen does not depend on the step; any step ≥ completion gives the same value.
+            self._k_gen = self.staleness(self.completed_at)[1]
+        return self._k_gen
 
 
 @dataclass

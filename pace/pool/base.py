@@ -57,7 +57,8 @@ class PoolPolicy:
         return view.inflight < self.max_inflight_groups
 
     def select(self, pooled: list[Group], step: int) -> Selection | None:
-        """``pooled`` is in completion order. Return None to wait for more groups."""
+        """``pooled`` is in completion order. Return None (or a Selection with an empty batch, whose
+        removals are applied) to wait for more groups."""
         if len(pooled) < self.batch_prompts:
             return None
         return Selection(batch=pooled[: self.batch_prompts])
@@ -114,22 +115,28 @@ class Pool:
         """Block until the policy forms batch ``step``; None if ``timeout`` passes first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._arrived:
-            selection = self.policy.select(list(self._pooled), step)
-            while selection is None:
+            while True:
+                selection = self.policy.select(list(self._pooled), step)
+                if selection is not None:
+                    self._apply(selection, step)
+                    if selection.batch:
+                        self.batches_formed += 1
+                        self.last_metrics = selection.metrics
+                        return Batch(step=step, groups=selection.batch)
+                # Not enough groups yet (a policy may still have removed some): wait for more.
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0 or not self._arrived.wait(left):
                     return None
-                selection = self.policy.select(list(self._pooled), step)
-            taken = {id(g) for g in selection.batch}
-            for group, fate, reason in selection.removed:
-                taken.add(id(group))
-                self._decide(group, fate, reason, step)
-            for group in selection.batch:
-                self._decide(group, Fate.CONSUMED, "", step)
+
+    def _apply(self, selection: Selection, step: int) -> None:
+        taken = {id(g) for g in selection.batch}
+        for group, fate, reason in selection.removed:
+            taken.add(id(group))
+            self._decide(group, fate, reason, step)
+        for group in selection.batch:
+            self._decide(group, Fate.CONSUMED, "", step)
+        if taken:
             self._pooled = [g for g in self._pooled if id(g) not in taken]
-            self.batches_formed += 1
-            self.last_metrics = selection.metrics
-            return Batch(step=step, groups=selection.batch)
 
     def drain_decided(self) -> list[Group]:
         with self._lock:

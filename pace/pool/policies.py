@@ -1,7 +1,10 @@
 """Pool policies by name (`pool.name`). Each is a few lines over `PoolPolicy` (DESIGN §3 table)."""
 from __future__ import annotations
 
-from pace.pool.base import AdmissionView, PoolPolicy
+from pace.pool import scoring
+from pace.pool.base import AdmissionView, PoolPolicy, Selection
+from pace.pool.scoring import RejectionController, ScoreWindow
+from pace.records import Fate, Group
 
 
 class AsyncPolicy(PoolPolicy):
@@ -29,10 +32,107 @@ class SyncPolicy(PoolPolicy):
         )
 
 
-POLICIES: dict[str, type[PoolPolicy]] = {p.name: p for p in (AsyncPolicy, SyncPolicy)}
+class StaleKPolicy(PoolPolicy):
+    """Controlled Stale-k: at consumption, groups whose policy lag K exceeds `pool.max_lag` are dropped."""
+
+    name = "stale_k"
+
+    def __init__(self, batch_prompts: int, max_inflight_groups: int, max_lag: float):
+        super().__init__(batch_prompts, max_inflight_groups)
+        self.max_lag = max_lag
+
+    def select(self, pooled: list[Group], step: int) -> Selection | None:
+        fresh, stale = [], []
+        for g in pooled:
+            (stale if g.staleness(step)[0] > self.max_lag else fresh).append(g)
+        removed = [(g, Fate.DROPPED_STALE, f"K > max_lag={self.max_lag}") for g in stale]
+        batch = fresh[: self.batch_prompts] if len(fresh) >= self.batch_prompts else []
+        return Selection(batch=batch, removed=removed) if batch or removed else None
+
+
+class GatePolicy(PoolPolicy):
+    """AReaL-style admission gate: a group may start only while (v + η + 1)·B > groups started.
+
+    v is the trainer version and η = `pool.max_head_offpolicyness`: generation runs at most η
+    batches ahead of training. Selection is FIFO.
+    """
+
+    name = "gate"
+
+    def __init__(self, batch_prompts: int, max_inflight_groups: int, max_head_offpolicyness: int):
+        super().__init__(batch_prompts, max_inflight_groups)
+        self.eta = max_head_offpolicyness
+
+    def admits(self, view: AdmissionView) -> bool:
+        return (view.trainer_version + self.eta + 1) * view.batch_prompts > view.started and super().admits(view)
+
+
+class PacePolicy(PoolPolicy):
+    """PACE, per step j (DESIGN §3): occupancy-driven rejection budget, staleness ranking, FIFO draw.
+
+    1. wait for B groups; 2. ρ_j from the pool's excess over `pace.target_pool`; 3. budget R_j;
+    4. score every pooled group (`pace.score`); 5. reject the R_j highest scores (ties: older
+    completion first), then take B groups FIFO from the rest.
+    """
+
+    name = "pace"
+
+    def __init__(self, batch_prompts: int, max_inflight_groups: int, score: str, gamma: float,
+                 target_pool: int, ema: float, score_window: int):
+        super().__init__(batch_prompts, max_inflight_groups)
+        self.kind, self.gamma = score, gamma
+        self.controller = RejectionController(target_pool, ema)
+        self.window = ScoreWindow(score_window)
+
+    def record_pfs(self, values: list[float]) -> None:
+        """New Prefix Forgetting Scores from rescoring (called under the pool lock)."""
+        self.window.extend(values)
+
+    def select(self, pooled: list[Group], step: int) -> Selection | None:
+        n = len(pooled)
+        if n < self.batch_prompts:
+            return None
+        rho = self.controller.update(n)
+        budget = self.controller.budget(rho, n, self.batch_prompts)
+        scored = []
+        for i, g in enumerate(pooled):
+            k_gen, k_wait = g.k_gen(), step - g.completed_at
+            # A group not rescored yet counts its Generation Staleness in full (u = 1).
+            u = self.window.rank(g.pfs) if g.pfs is not None else 1.0
+            s = scoring.score(self.kind, k_wait, k_gen, u, self.gamma)
+            g.scores.update(u=u, score=s, s_eff=scoring.score("effective", k_wait, k_gen, u, self.gamma))
+            scored.append((-s, g.completed_at, i))
+        rejected = {i for _, _, i in sorted(scored)[:budget]}
+        removed = []
+        for i in sorted(rejected):
+            pooled[i].scores.update(rho=rho, budget=budget)
+            removed.append((pooled[i], Fate.REJECTED, f"pace:{self.kind}"))
+        batch = [g for i, g in enumerate(pooled) if i not in rejected][: self.batch_prompts]
+        return Selection(batch=batch, removed=removed, metrics={"rho": rho, "budget": budget})
+
+    def state_dict(self) -> dict:
+        return {"controller": self.controller.state_dict(), "window": self.window.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state["controller"])
+        self.window.load_state_dict(state["window"])
+
+
+POLICIES: dict[str, type[PoolPolicy]] = {
+    p.name: p for p in (AsyncPolicy, SyncPolicy, StaleKPolicy, GatePolicy, PacePolicy)
+}
 
 
 def build_policy(cfg) -> PoolPolicy:
-    return POLICIES[cfg.pool.name](
-        batch_prompts=cfg.data.batch_prompts, max_inflight_groups=cfg.rollout.max_inflight_groups
-    )
+    common = dict(batch_prompts=cfg.data.batch_prompts, max_inflight_groups=cfg.rollout.max_inflight_groups)
+    name = cfg.pool.name
+    if name == "stale_k":
+        return StaleKPolicy(**common, max_lag=cfg.pool.max_lag)
+    if name == "gate":
+        return GatePolicy(**common, max_head_offpolicyness=cfg.pool.max_head_offpolicyness)
+    if name == "pace":
+        p = cfg.pace
+        target = cfg.data.batch_prompts if p.target_pool is None else p.target_pool
+        return PacePolicy(**common, score=p.score, gamma=p.gamma, target_pool=target, ema=p.ema,
+                          score_window=p.score_window)
+    return POLICIES[name](**common)

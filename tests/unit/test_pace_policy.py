@@ -1,0 +1,159 @@
+"""PACE's budget, scores and selection, plus the Stale-k and gate baselines (pure, fake groups)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pace.pool import Pool
+from pace.pool.base import AdmissionView
+from pace.pool.policies import GatePolicy, PacePolicy, StaleKPolicy
+from pace.pool.scoring import RejectionController, ScoreWindow, score
+from pace.records import Fate, Group, Trajectory
+
+pytestmark = pytest.mark.unit
+
+
+def group(gid: int, versions: list[int], c: int, pfs: float | None = None) -> Group:
+    """One-trajectory group: token versions, completion version c, optional PFS."""
+    t = Trajectory(list(range(len(versions))), [0.0] * len(versions), versions, c, "stop", correct=gid % 2 == 0)
+    return Group(gid, f"p{gid}", [1], "0", 0, [t], pfs=pfs)
+
+
+# ---------------------------------------------------------------- budget
+
+
+@given(rho=st.floats(0, 1), n=st.integers(1, 10_000), b=st.integers(1, 512))
+def test_budget_never_starves_the_trainer(rho, n, b):
+    r = RejectionController.budget(rho, n, b)
+    assert r >= 0
+    if n >= b:
+        assert n - r >= b
+    assert r <= math.floor(rho * n)
+
+
+def test_rho_rises_under_sustained_excess_and_decays_to_zero():
+    c = RejectionController(target=10, ema=0.9)
+    rhos = [c.update(40) for _ in range(30)]  # excess 30/40 = 0.75 every step
+    assert all(b > a for a, b in zip(rhos, rhos[1:]))
+    assert rhos[-1] == pytest.approx(0.75 * (1 - 0.9**30))
+    assert rhos[0] == pytest.approx(0.1 * 0.75)
+    for _ in range(400):
+        c.update(8)  # at or below target: no excess
+    assert c.rho < 1e-15
+
+
+# ---------------------------------------------------------------- scores
+
+
+@given(kw=st.floats(0, 100), kg=st.floats(0, 100), u=st.floats(0, 1))
+def test_effective_with_gamma_zero_is_raw(kw, kg, u):
+    assert score("effective", kw, kg, u, gamma=0.0) == score("raw", kw, kg)
+
+
+@given(kw=st.floats(0, 100), u=st.floats(0, 1), gamma=st.floats(0, 8))
+def test_zero_generation_staleness_scores_waiting_staleness(kw, u, gamma):
+    assert score("effective", kw, 0.0, u, gamma) == kw
+    assert score("raw", kw, 0.0) == kw
+
+
+def test_score_kinds_by_hand():
+    # K_wait = 2, K_gen = 3, u = 0.5, γ = 2 → effective = 2 + 0.25·3 = 2.75; raw = 5; generation = 3
+    assert score("effective", 2, 3, 0.5, 2) == 2.75
+    assert score("raw", 2, 3) == 5 and score("generation", 2, 3) == 3
+    with pytest.raises(ValueError):
+        score("bogus", 1, 1)
+
+
+def test_window_percentile_rank_and_eviction():
+    w = ScoreWindow(size=4)
+    assert w.rank(0.3) == 1.0  # empty: full weight
+    w.extend([0.1, 0.2, 0.3, 0.4])
+    assert [w.rank(v) for v in (0.05, 0.2, 0.4, 9)] == [0.0, 0.5, 1.0, 1.0]
+    w.add(0.5)  # evicts 0.1
+    assert len(w) == 4 and w.rank(0.1) == 0.0 and w.rank(0.2) == 0.25
+
+
+# ---------------------------------------------------------------- PACE selection
+
+
+def pace(b=2, target=2, ema=0.0, kind="raw", gamma=1.0):
+    return PacePolicy(b, 100, score=kind, gamma=gamma, target_pool=target, ema=ema, score_window=16)
+
+
+def test_pace_rejects_the_highest_scores_and_takes_fifo():
+    # B = 2, target 2, ema 0 → ρ = excess = (6 − 2)/6; budget = min(⌊4/6·6⌋, 6 − 2) = 4.
+    pooled = [group(i, [v] * 4, c) for i, (v, c) in enumerate([(0, 5), (5, 5), (1, 5), (4, 5), (2, 5), (3, 5)])]
+    sel = pace().select(pooled, step=6)
+    # raw score = K = 6 − v: ids 0 (6), 2 (5), 4 (4), 5 (3) are the four stalest
+    assert sorted(g.id for g, fate, _ in sel.removed) == [0, 2, 4, 5]
+    assert all(fate == Fate.REJECTED for _, fate, _ in sel.removed)
+    assert [g.id for g in sel.batch] == [1, 3]
+    assert sel.metrics["budget"] == 4 and sel.metrics["rho"] == pytest.approx(4 / 6)
+
+
+def test_pace_ties_reject_older_completion_first():
+    pooled = [group(0, [3] * 2, 4), group(1, [2] * 2, 3), group(2, [5] * 2, 5)]
+    # generation score: K_gen = 1 for ids 0 and 1 (tie), 0 for id 2; budget = min(⌊(1/3)·3⌋, 1) = 1
+    sel = pace(b=2, kind="generation").select(pooled, step=6)
+    assert [g.id for g, _, _ in sel.removed] == [1]  # completed at 3, before id 0 at 4
+
+
+@settings(max_examples=50)
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 3)), min_size=2, max_size=30), st.integers(1, 4))
+def test_pace_rejected_scores_dominate_kept(specs, b):
+    pooled = [group(i, [max(0, c - lag)] * 3, c) for i, (c, lag) in enumerate(specs)]
+    sel = pace(b=b, target=b).select(pooled, step=10)
+    if len(pooled) < b:
+        assert sel is None
+        return
+    rejected = [g.scores["score"] for g, _, _ in sel.removed]
+    kept = [g.scores["score"] for g in pooled if g not in [r for r, _, _ in sel.removed]]
+    if rejected:
+        assert min(rejected) >= max(kept)
+    assert len(sel.batch) == b and len(pooled) - len(rejected) >= b
+
+
+def test_pace_effective_discounts_generation_staleness_of_low_pfs_groups():
+    p = pace(b=1, target=1, kind="effective", gamma=1.0)
+    p.record_pfs([0.1, 0.2, 0.3, 0.4])
+    a = group(0, [0] * 4, 4, pfs=0.05)  # K_gen 4, u = 0 → effective = K_wait = 1
+    b = group(1, [3] * 4, 4, pfs=0.4)  # K_gen 1, u = 1 → effective = 1 + 1 = 2
+    sel = p.select([a, b], step=5)
+    assert a.scores["score"] == 1.0 and b.scores["score"] == 2.0
+    assert [g.id for g, _, _ in sel.removed] == [1]  # raw would have rejected a (K = 5 vs 2)
+
+
+def test_pace_in_a_pool_keeps_accounting():
+    pool = Pool(pace(b=2, target=2, ema=0.0), informative=lambda g: True)
+    for i in range(8):
+        g = group(i, [0] * 3, 0)
+        pool.on_submitted(g)
+        pool.add(g, 0)
+    batch = pool.form_batch(3, timeout=1)
+    assert len(batch.groups) == 2
+    c = pool.counts()
+    # 8 pooled, target 2, ema 0 → ρ = 6/8, budget = min(⌊6/8 · 8⌋, 8 − 2) = 6
+    assert c["rejected"] == 6 and c["consumed"] == 2
+    pool.check_accounting()
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def test_stale_k_drops_over_the_lag_and_waits_for_fresh_groups():
+    p = StaleKPolicy(2, 100, max_lag=2)
+    old, fresh = group(0, [0] * 2, 1), group(1, [4] * 2, 4)
+    sel = p.select([old, fresh], step=4)  # K(old) = 4 > 2 dropped; one fresh group < B: no batch
+    assert [(g.id, f) for g, f, _ in sel.removed] == [(0, Fate.DROPPED_STALE)] and sel.batch == []
+    sel = p.select([fresh, group(2, [3] * 2, 4)], step=4)
+    assert [g.id for g in sel.batch] == [1, 2] and sel.removed == []
+
+
+def test_gate_admission_arithmetic():
+    gate = GatePolicy(batch_prompts=4, max_inflight_groups=100, max_head_offpolicyness=2)
+    view = lambda v, started: AdmissionView(v, v, v, started, 0, 0, 4)  # noqa: E731
+    assert gate.admits(view(0, 11)) and not gate.admits(view(0, 12))  # (0 + 2 + 1)·4 = 12
+    assert gate.admits(view(1, 15)) and not gate.admits(view(1, 16))
