@@ -93,7 +93,9 @@ class AlgoConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     clip_ratio_c: Optional[float] = 3.0  # dual clip for A < 0 (verl's DAPO recipe); null disables
-    ratio_ref: str = "behavior"  # behavior (π_θ/μ); proximal comes with issue #3
+    ratio_ref: str = "behavior"  # behavior (π_θ/μ) | proximal (decoupled PPO: π_θ/π_prox × min(π_prox/μ, is_cap))
+    is_cap: Optional[float] = 5.0  # proximal: cap of the behaviour weight π_prox/μ (the paper gives none)
+    m2_threshold: float = 0.04  # algo.name=m2po: τ, mean second moment of log π_θ − log μ kept
     filter_on: str = "acc"  # dynamic sampling on correctness (DAPO's recipe) or on the shaped reward
     adv_eps: float = 1e-6
 
@@ -148,8 +150,8 @@ _CHOICES = {
     "data.source": ("arithmetic", "math"),
     "pool.name": ("sync", "async", "stale_k", "gate", "pace"),
     "pace.score": ("effective", "raw", "generation"),
-    "algo.name": ("dapo",),
-    "algo.ratio_ref": ("behavior",),
+    "algo.name": ("dapo", "m2po"),
+    "algo.ratio_ref": ("behavior", "proximal"),
     "algo.filter_on": ("acc", "reward"),
     "logger.mode": ("online", "offline", "disabled"),
     "rollout.cpu_threads_bind": ("nobind", "auto"),
@@ -188,6 +190,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"pace.ema must be in [0, 1), got {cfg.pace.ema}")
     if cfg.pace.gamma < 0 or cfg.pace.score_window < 1 or cfg.pace.prefix_tokens < 1:
         raise ConfigError("pace.gamma must be >= 0, pace.score_window and pace.prefix_tokens >= 1")
+    if cfg.algo.name == "m2po" and cfg.algo.ratio_ref != "behavior":
+        raise ConfigError("algo.name=m2po masks against the behaviour policy: it needs algo.ratio_ref=behavior")
     if cfg.data.source == "math" and not cfg.data.path:
         raise ConfigError("data.source=math needs data.path (a hub id or a local file)")
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:

@@ -18,7 +18,7 @@ class LossOut:
     clipped: torch.Tensor  # scalar: number of counted tokens where a clip was active
     ratio_sum: torch.Tensor  # scalar: Σ ratio over counted tokens (for the mean ratio metric)
     masked: torch.Tensor | None = None  # m2po_loss: scalar number of counted tokens it masked out
-    weight_sum: torch.Tensor | None = None  # decoupled_loss: Σ behaviour weight min(π_prox/μ, cap) over counted tokens
+    weight_sum: torch.Tensor | None = None  # decoupled_loss: Σ min(π_prox/μ, is_cap) over counted tokens
 
 
 def _surrogate(

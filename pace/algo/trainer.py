@@ -11,17 +11,38 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from pace.algo.loss import dapo_loss
+from pace.algo.loss import LossOut, dapo_loss, decoupled_loss, m2po_loss
 from pace.records import Batch, Trajectory
 
 
 def _pad(seqs: list[list], value, dtype) -> torch.Tensor:
     width = max(len(s) for s in seqs)
     return torch.tensor([list(s) + [value] * (width - len(s)) for s in seqs], dtype=dtype)
+
+
+def _pad_like(template: torch.Tensor, rows: list[tuple[int, list[float]]]) -> torch.Tensor:
+    """A tensor shaped like ``template`` with each row's values written from its start offset."""
+    out = torch.zeros_like(template)
+    for i, (start, values) in enumerate(rows):
+        out[i, start : start + len(values)] = torch.tensor(values, dtype=template.dtype)
+    return out
+
+
+def build_loss(algo) -> Callable[[torch.Tensor, dict, float], LossOut]:
+    """The configured loss as fn(logp, batch tensors, num_tokens): one pure function per variant."""
+    clip = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c)
+    if algo.name == "m2po":
+        return lambda logp, b, n: m2po_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n,
+                                            m2_threshold=algo.m2_threshold, **clip)
+    if algo.ratio_ref == "proximal":
+        return lambda logp, b, n: decoupled_loss(logp, b["logp_prox"], b["logp_behavior"], b["advantages"],
+                                                 b["loss_mask"], n, is_cap=algo.is_cap, **clip)
+    return lambda logp, b, n: dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n, **clip)
 
 
 def collate(trajs: list[Trajectory], prompts: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -75,7 +96,8 @@ class DAPOTrainer:
         warmup = max(1, t.warmup_steps * t.mini_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
         self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
-        self.loss_fn = dapo_loss  # chosen once; M2PO / proximal variants arrive with issue #3
+        self.loss_fn = build_loss(cfg.algo)  # chosen once, from config
+        self.proximal = cfg.algo.ratio_ref == "proximal"
         self.version = 0
 
     # --- one training step ----------------------------------------------------------------
@@ -91,15 +113,17 @@ class DAPOTrainer:
         groups = payload[0]
 
         t0 = time.perf_counter()
-        self.model.train()
         n_mini = self.cfg.trainer.mini_batches
         per_mini = math.ceil(len(groups) / n_mini)
-        totals = {"loss": 0.0, "clipped": 0.0, "tokens": 0.0, "entropy": 0.0, "ratio": 0.0, "grad_norm": 0.0}
+        shares = []  # this rank's (prompt, trajectory) pairs of each mini-batch
         for m in range(n_mini):
-            mini = groups[m * per_mini : (m + 1) * per_mini]
-            pairs = [(p, t) for p, trajs in mini for t in trajs]
-            mine = pairs[self.acc.process_index :: self.acc.num_processes]
-            stats = self._update(mine)
+            pairs = [(p, t) for p, trajs in groups[m * per_mini : (m + 1) * per_mini] for t in trajs]
+            shares.append(pairs[self.acc.process_index :: self.acc.num_processes])
+        prox = self._proximal_logprobs([pair for share in shares for pair in share]) if self.proximal else None
+        self.model.train()
+        totals = {"loss": 0.0, "clipped": 0.0, "tokens": 0.0, "entropy": 0.0, "ratio": 0.0, "grad_norm": 0.0}
+        for mine in shares:
+            stats = self._update(mine, prox)
             for k in totals:
                 totals[k] += stats[k]
         self.version += 1
@@ -114,7 +138,24 @@ class DAPOTrainer:
             "time/train": time.perf_counter() - t0,
         }
 
-    def _update(self, pairs: list[tuple[list[int], Trajectory]]) -> dict[str, float]:
+    @torch.no_grad()
+    def _proximal_logprobs(self, pairs: list[tuple[list[int], Trajectory]]) -> dict[int, list[float]]:
+        """log π_prox of every response token: the policy at the start of this step (decoupled PPO)."""
+        self.model.eval()
+        out = {}
+        mb = self.cfg.trainer.micro_batch_size
+        for i in range(0, len(pairs), mb):
+            chunk = pairs[i : i + mb]
+            b = collate([t for _, t in chunk], [p for p, _ in chunk])
+            logits = self.model(input_ids=b["input_ids"].to(self.acc.device),
+                                attention_mask=b["attention_mask"].to(self.acc.device)).logits[:, :-1]
+            logp, _ = token_logprobs(logits, b["targets"].to(self.acc.device), self.cfg.rollout.temperature)
+            for row, (prompt, traj) in enumerate(chunk):
+                start = len(prompt) - 1
+                out[id(traj)] = logp[row, start : start + len(traj)].tolist()
+        return out
+
+    def _update(self, pairs: list[tuple[list[int], Trajectory]], prox: dict[int, list[float]] | None) -> dict[str, float]:
         """One optimizer update on this rank's share of a mini-batch (micro-batched)."""
         local_tokens = torch.tensor(float(sum(len(t) for _, t in pairs)), device=self.acc.device)
         total_tokens = self.acc.reduce(local_tokens, reduction="sum").item()
@@ -125,15 +166,15 @@ class DAPOTrainer:
         # Every rank has >= 1 trajectory (checked at start), so each joins the gradient all-reduce.
         chunks = [pairs[i : i + mb] for i in range(0, len(pairs), mb)]
         for i, chunk in enumerate(chunks):
-            b = {k: v.to(self.acc.device) for k, v in collate([t for _, t in chunk], [p for p, _ in chunk]).items()}
+            b = collate([t for _, t in chunk], [p for p, _ in chunk])
+            if prox is not None:
+                b["logp_prox"] = _pad_like(b["logp_behavior"], [(len(p) - 1, prox[id(t)]) for p, t in chunk])
+            b = {k: v.to(self.acc.device) for k, v in b.items()}
             sync = i == len(chunks) - 1
             with contextlib.nullcontext() if sync else self.acc.no_sync(self.model):
                 logits = self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
                 logp, entropy = token_logprobs(logits, b["targets"], self.cfg.rollout.temperature)
-                out = self.loss_fn(
-                    logp, b["logp_behavior"], b["advantages"], b["loss_mask"], norm,
-                    eps_low=self.cfg.algo.eps_low, eps_high=self.cfg.algo.eps_high, clip_ratio_c=self.cfg.algo.clip_ratio_c,
-                )
+                out = self.loss_fn(logp, b, norm)
                 self.acc.backward(out.loss)
             mask = b["loss_mask"]
             stats["loss"] += out.loss.item() / self.acc.num_processes  # this rank's share of Σ/total

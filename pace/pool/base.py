@@ -143,6 +143,19 @@ class Pool:
             out, self._decided = self._decided, []
             return out
 
+    def to_rescore(self, version: int) -> list[Group]:
+        """Pooled groups with K_gen > 0 whose Prefix Forgetting Score is not from ``version`` (PACE)."""
+        with self._lock:
+            return [g for g in self._pooled if g.pfs_version != version and g.k_gen() > 0]
+
+    def set_pfs(self, group: Group, pfs: float, version: int) -> None:
+        """Record a group's PFS under weights ``version``; the policy's score window learns it too."""
+        with self._lock:
+            group.pfs, group.pfs_version = pfs, version
+            record = getattr(self.policy, "record_pfs", None)
+            if record is not None:
+                record([pfs])
+
     def drain_arrived(self) -> list[Group]:
         """Groups completed since the last call, filtered or not: what the current policy produces."""
         with self._lock:

@@ -35,6 +35,16 @@ class _Pending:
     responses: dict[int, Trajectory] = field(default_factory=dict)
 
 
+@dataclass
+class _Rescore:
+    """A pooled group whose response prefixes are being rescored under weights ``version``."""
+
+    group: Group
+    version: int
+    remaining: int
+    distances: dict[int, float] = field(default_factory=dict)
+
+
 class RolloutWorker(threading.Thread):
     def __init__(self, llm, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg):
         super().__init__(name="rollout", daemon=True)
@@ -69,8 +79,12 @@ class RolloutWorker(threading.Thread):
         self._pending: dict[int, _Pending] = {}
         self._grading: deque[tuple[Group, object]] = deque()
         self._next_group_id = 0
-        self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0}
-        self._last = (time.perf_counter(), 0, 0.0)  # (time, tokens, gen_s) at the last metrics() call
+        self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0}
+        # PACE: rescore pooled prefixes after each update (only the pace policy reads PFS)
+        self.prefix_tokens = cfg.pace.prefix_tokens if cfg.pool.name == "pace" else 0
+        self._rescoring: dict[int, _Rescore] = {}
+        self._rescore_started: float | None = None
+        self._last = (time.perf_counter(), dict(self.stats))  # (time, stats) at the last metrics() call
 
     # --- called from the trainer thread -----------------------------------------------------
     def post_weights(self, version: int, named_tensors: list) -> None:
@@ -90,17 +104,20 @@ class RolloutWorker(threading.Thread):
             self.join(timeout)
 
     def metrics(self) -> dict:
-        """Throughput since the previous call: tokens per second of wall time, engine busy fraction."""
-        now, s = time.perf_counter(), self.stats
-        t, tokens, gen_s = self._last
-        self._last = (now, s["tokens"], s["gen_s"])
+        """Throughput since the previous call: tokens per second of wall time, engine busy fraction,
+        and the engine time (`time/generate`) and rescoring wall time (`time/rescore`) in the interval."""
+        now, s = time.perf_counter(), dict(self.stats)
+        t, last = self._last
+        self._last = (now, s)
         dt = max(now - t, 1e-9)
         return {
-            "rollout/tokens_per_s": (s["tokens"] - tokens) / dt,
-            "rollout/busy": (s["gen_s"] - gen_s) / dt,
-            "time/generate": s["gen_s"] - gen_s,  # engine step time in this interval (overlaps training when async)
+            "rollout/tokens_per_s": (s["tokens"] - last["tokens"]) / dt,
+            "rollout/busy": (s["gen_s"] - last["gen_s"]) / dt,
+            "time/generate": s["gen_s"] - last["gen_s"],  # overlaps training when async
+            "time/rescore": s["rescore_s"] - last["rescore_s"],  # overlaps generation and training
             "rollout/engine_version": self.engine_version,
             "rollout/sync_apply_s": s["sync_s"],
+            "rollout/rescored_groups": s["rescored"],
         }
 
     def check(self) -> None:
@@ -148,7 +165,45 @@ class RolloutWorker(threading.Thread):
         self.stats["sync_s"] += time.perf_counter() - t0
         self.stats["syncs"] += 1
         self.engine_version = version
+        if self.prefix_tokens:
+            self._start_rescoring()
         return True
+
+    def _start_rescoring(self) -> None:
+        """Submit prompt + first m response tokens of every pooled group with K_gen > 0 (DESIGN §3, PFS).
+
+        Scoring requests run in the same engine steps as generation, so rescoring overlaps both
+        generation and training; `rescore_s` is the wall time from the update until the last score
+        of that version is in.
+        """
+        params = engine_lib.scoring_params()
+        salt = engine_lib.cache_salt(self.engine_version)
+        for group in self.pool.to_rescore(self.engine_version):
+            if group.id in self._rescoring:
+                continue  # still being scored under the previous version: its result is superseded below
+            self._rescoring[group.id] = _Rescore(group, self.engine_version, len(group.trajectories))
+            for i, traj in enumerate(group.trajectories):
+                ids = group.prompt_ids + traj.response_ids[: self.prefix_tokens]
+                self.engine.add_request(f"s{group.id}-{i}", {"prompt_token_ids": ids, "cache_salt": salt}, params)
+        if self._rescoring and self._rescore_started is None:
+            self._rescore_started = time.perf_counter()
+
+    def _consume_score(self, out) -> None:
+        gid, idx = (int(x) for x in out.request_id[1:].split("-"))
+        job = self._rescoring[gid]
+        traj = job.group.trajectories[idx]
+        m = min(self.prefix_tokens, len(traj))
+        ids = job.group.prompt_ids + traj.response_ids[:m]
+        current = engine_lib.prompt_token_logprobs(out, ids, len(job.group.prompt_ids))
+        job.distances[idx] = sum(abs(a - b) for a, b in zip(current, traj.logprobs[:m])) / m
+        job.remaining -= 1
+        if job.remaining == 0:
+            del self._rescoring[gid]
+            self.pool.set_pfs(job.group, sum(job.distances.values()) / len(job.distances), job.version)
+            self.stats["rescored"] += 1
+            if not self._rescoring and self._rescore_started is not None:
+                self.stats["rescore_s"] += time.perf_counter() - self._rescore_started
+                self._rescore_started = None
 
     def _admit(self) -> bool:
         started = False
@@ -173,6 +228,10 @@ class RolloutWorker(threading.Thread):
     def _consume(self, outputs) -> None:
         version = self.engine_version  # every token of this step came from these weights
         for out in outputs:
+            if out.request_id[0] == "s":
+                if out.finished:
+                    self._consume_score(out)
+                continue
             gid, idx = out.request_id[1:].split("-")
             pending = self._pending[int(gid)]
             traj = pending.responses.get(int(idx))
@@ -220,6 +279,7 @@ class RolloutWorker(threading.Thread):
 
     def _abort_all(self) -> None:
         ids = [f"g{gid}-{i}" for gid in self._pending for i in range(self.group_size)]
+        ids += [f"s{gid}-{i}" for gid, job in self._rescoring.items() for i in range(len(job.group.trajectories))]
         try:
             if ids:
                 self.engine.abort_request(ids)

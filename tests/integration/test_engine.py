@@ -110,3 +110,56 @@ def test_rollout_records_versions_across_an_update(llm, weights, tiny_model_path
     for t in spanning:
         assert t.versions[:5] == [0] * 5 and t.versions[5:] == [1] * (len(t) - 5)
     grader.close()
+
+
+def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weights):
+    """PACE rescoring on the rollout thread's loop (stepped by hand): PFS ≈ 0 with unchanged weights,
+    clearly > 0 after the weights move."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    from pace.config import Config
+    from pace.pool import Pool, build_policy
+    from pace.reward import Grader
+    from pace.rollout.worker import RolloutWorker
+    from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
+    from pace.tasks.base import PromptSampler
+
+    cfg = OmegaConf.structured(Config)
+    cfg.pool.name, cfg.pace.prefix_tokens = "pace", 8
+    cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = 2, 4, 2
+    pool = Pool(build_policy(cfg), informative=lambda g: True)
+    sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[2]), "train"), seed=0)
+    with Grader(workers=1) as grader:
+        worker = RolloutWorker(llm, llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
+        worker._admit()
+        worker.set_trainer_version(1)  # completes at c = 1 with tokens from v = 0: K_gen = 1 > 0
+
+        def drain():
+            while llm.llm_engine.has_unfinished_requests():
+                worker._consume(llm.llm_engine.step())
+
+        drain()
+        deadline = time.time() + 30
+        while pool.occupancy < 2 and time.time() < deadline:
+            worker._collect_grades()
+            time.sleep(0.05)
+        assert pool.occupancy == 2
+        groups = pool.remaining()
+
+        worker.post_weights(1, weights)  # same values as version 0
+        worker._apply_update()
+        drain()
+        assert all(g.pfs_version == 1 for g in groups)
+        assert max(g.pfs for g in groups) < 1e-4
+        assert len(pool.policy.window) == 2 and worker.stats["rescored"] == 2
+
+        gen = torch.Generator().manual_seed(1)
+        worker.post_weights(2, [(n, t + 0.05 * torch.randn(t.shape, generator=gen)) for n, t in weights])
+        worker._apply_update()
+        drain()
+        assert all(g.pfs_version == 2 and g.pfs > 1e-2 for g in groups)
+    from pace.rollout.engine import load_weights
+
+    load_weights(llm, weights)  # leave the shared engine as it was

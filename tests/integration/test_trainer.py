@@ -48,13 +48,16 @@ def _seq_logprob(model, prompt, traj):
     return lp[0, len(prompt) - 1 :].sum().item()
 
 
+@pytest.mark.parametrize("variant", [("dapo", "behavior"), ("m2po", "behavior"), ("dapo", "proximal")])
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
-def test_step_moves_the_response_logprob_with_the_advantage(setup, advantage):
+def test_step_moves_the_response_logprob_with_the_advantage(setup, advantage, variant):
     from transformers import AutoTokenizer
 
     from pace.algo.trainer import DAPOTrainer
 
     path, cfg, acc = setup
+    cfg = cfg.copy()
+    cfg.algo.name, cfg.algo.ratio_ref = variant
     trainer = DAPOTrainer(path, cfg, acc)
     model = acc.unwrap_model(trainer.model)
     batch = _batch(AutoTokenizer.from_pretrained(path), model, advantage)

@@ -189,7 +189,8 @@ def test_decoupled_equals_dapo_when_prox_is_behavior() -> None:
 
 def test_decoupled_hand_values_weight_and_clip_on_prox_ratio() -> None:
     # μ: log μ = 0.  Token 0: π_prox/μ = 1.5 → w = 1.5; π_θ/π_prox = 1.1 (inside [0.8, 1.28]), A = 1
-    #   → L = 1.5 · (−1.1) = −1.65. (π_θ/μ = 1.65 would be clipped to 1.28 by dapo_loss: the clip is on r to prox.)
+    #   → L = 1.5 · (−1.1) = −1.65. (π_θ/μ = 1.65 would be clipped to 1.28 by dapo_loss:
+    #   the clip acts on the ratio to π_prox.)
     # Token 1: w = 1.5; r = 1.5 > 1.28, A = 1 → clipped: 1.5 · (−1.28) = −1.92; counts as clipped.
     # Token 2: π_prox/μ = 4 > is_cap = 2 → w = 2; r = 1, A = −1 → L = 2 · 1 = 2.
     # Token 3: π_prox/μ = 0.5 → w = 0.5; r = 0.9, A = −2 → L = 0.5 · 1.8 = 0.9.
