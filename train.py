@@ -82,6 +82,17 @@ def load_prompts(cfg, tokenizer):
     return prompts
 
 
+def default_group(cfg) -> str | None:
+    """The jobs of one Hydra multirun share a wandb group (`logger.group` overrides)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if cfg.logger.group is None and hc.mode == RunMode.MULTIRUN:
+        return f"{cfg.exp_name}-{Path(hc.sweep.dir).name}"
+    return None
+
+
 def step_metrics(batch, pool, decided, t_wait: float) -> dict:
     """Staleness of the consumed groups, pool state, rollout throughput (DESIGN §6 names).
 
@@ -186,7 +197,7 @@ def run(cfg: DictConfig) -> None:
         grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
         llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg)
-        logger = RunLogger(cfg, run_dir, OmegaConf.to_container(cfg, resolve=True))
+        logger = RunLogger(cfg, run_dir, OmegaConf.to_container(cfg, resolve=True), group=default_group(cfg))
         print(f"run directory: {run_dir}", file=sys.stderr)
         rollout.start()
 

@@ -74,7 +74,7 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 class RunLogger:
-    def __init__(self, cfg, run_dir: str | Path, config_dict: dict):
+    def __init__(self, cfg, run_dir: str | Path, config_dict: dict, group: str | None = None):
         self.dir = Path(run_dir)
         (self.dir / "groups").mkdir(parents=True, exist_ok=True)
         self.flush_every = cfg.logger.flush_every
@@ -89,7 +89,7 @@ class RunLogger:
             os.environ.setdefault("WANDB_SILENT", "true")
             self.run = wandb.init(
                 project=cfg.logger.project,
-                group=cfg.logger.group,
+                group=group or cfg.logger.group,
                 name=cfg.logger.name or cfg.exp_name,
                 tags=list(cfg.logger.tags),
                 config=config_dict,
