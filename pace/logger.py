@@ -34,6 +34,9 @@ def group_row(group: Group) -> dict:
         "u": group.scores.get("u"),
         "s_eff": group.scores.get("s_eff"),
         "score": group.scores.get("score"),
+        "rho": group.scores.get("rho"),  # PACE: the step's rejection rate and budget (rejected groups)
+        "budget": group.scores.get("budget"),
+        "pfs_version": group.pfs_version,
         "reward_mean": None, "reward_std": None, "acc_mean": None,
         "len_mean": None, "len_max": None, "lengths": [len(t) for t in trajs],
         "num_tokens": sum(len(t) for t in trajs),

@@ -107,3 +107,34 @@ def test_bad_input_is_one_clear_line(args, needle, tmp_path):
     assert proc.returncode != 0
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_multirun_sweep_runs_each_job_in_its_own_directory(tiny_model_path, tmp_path):
+    import subprocess
+
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", "+exp=pace_tiny", "pace.gamma=1,4", "trainer.steps=2",
+           *SMALL, "logger.mode=disabled", "logger.progress=false", f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    assert [p.name.split("_")[0] for p in jobs] == ["0", "1"]
+    assert ["pace.gamma=1" in jobs[0].name, "pace.gamma=4" in jobs[1].name] == [True, True]
+    for job in jobs:
+        _, groups, summary = _read(job)
+        assert summary["status"] == "finished"
+        _check_accounting(groups, summary)
+
+
+def test_pace_run_rejects_and_logs_scores(tiny_model_path, tmp_path):
+    # A small target pool forces rejections within a few steps.
+    proc = run_train(["+exp=pace_tiny", "trainer.steps=6", *SMALL, "pace.target_pool=8", "pace.ema=0.0",
+                      "logger.mode=disabled"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics, groups, summary = _read(tmp_path)
+    _check_accounting(groups, summary)
+    rejected = groups[groups.fate == "rejected"]
+    assert summary["fates"]["rejected"] == len(rejected) == sum(m["pool/rejected"] for m in metrics)
+    assert len(rejected) > 0
+    assert rejected[["k_wait", "k_gen", "score", "u", "rho", "budget"]].notna().all().all()
+    assert ((rejected.k - rejected.k_gen - rejected.k_wait).abs() < 1e-9).all()
+    assert all("pool/rho" in m and "pool/budget" in m for m in metrics)
