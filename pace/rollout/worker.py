@@ -180,7 +180,7 @@ class RolloutWorker(threading.Thread):
         salt = engine_lib.cache_salt(self.engine_version)
         for group in self.pool.to_rescore(self.engine_version):
             if group.id in self._rescoring:
-                continue  # still being scored under the previous version: its result is superseded below
+                continue  # still being scored under an earlier version: rescored at the next update
             self._rescoring[group.id] = _Rescore(group, self.engine_version, len(group.trajectories))
             for i, traj in enumerate(group.trajectories):
                 ids = group.prompt_ids + traj.response_ids[: self.prefix_tokens]
