@@ -57,6 +57,7 @@ class Group:
     scores: dict = field(default_factory=dict)  # policy-specific ranking values, logged per group
     pfs_version: int | None = None  # engine version the PFS was computed under
     _k_gen: float | None = field(default=None, repr=False, compare=False)
+    _c_mean: float = field(default=0.0, repr=False, compare=False)
 
     @property
     def completed_at(self) -> int:
@@ -76,9 +77,16 @@ class Group:
     def k_gen(self) -> float:
         """Generation Staleness: fixed once the group is complete, so computed once."""
         if self._k_gen is None:
-            # K_gen does not depend on the step; any step ≥ completion gives the same value.
-            self._k_gen = self.staleness(self.completed_at)[1]
+            # K_gen does not depend on the step; at step = c(group), K_wait = c − c̄ gives c̄ too.
+            _, self._k_gen, wait = self.staleness(self.completed_at)
+            self._c_mean = self.completed_at - wait
         return self._k_gen
+
+    def k_wait(self, step: int) -> float:
+        """Token-weighted Waiting Staleness at ``step`` = step − c̄ (c̄: token-weighted mean of the
+        trajectories' completion versions), in O(1) for pool policies that rank every step."""
+        self.k_gen()
+        return step - self._c_mean
 
 
 @dataclass

@@ -44,7 +44,7 @@ class StaleKPolicy(PoolPolicy):
     def select(self, pooled: list[Group], step: int) -> Selection | None:
         fresh, stale = [], []
         for g in pooled:
-            (stale if g.staleness(step)[0] > self.max_lag else fresh).append(g)
+            (stale if g.k_gen() + g.k_wait(step) > self.max_lag else fresh).append(g)  # K, Lemma 1
         removed = [(g, Fate.DROPPED_STALE, f"K > max_lag={self.max_lag}") for g in stale]
         batch = fresh[: self.batch_prompts] if len(fresh) >= self.batch_prompts else []
         return Selection(batch=batch, removed=removed) if batch or removed else None
@@ -96,7 +96,7 @@ class PacePolicy(PoolPolicy):
         budget = self.controller.budget(rho, n, self.batch_prompts)
         scored = []
         for i, g in enumerate(pooled):
-            k_gen, k_wait = g.k_gen(), step - g.completed_at
+            k_gen, k_wait = g.k_gen(), g.k_wait(step)
             # A group not rescored yet counts its Generation Staleness in full (u = 1).
             u = self.window.rank(g.pfs) if g.pfs is not None else 1.0
             s = scoring.score(self.kind, k_wait, k_gen, u, self.gamma)

@@ -218,3 +218,18 @@ def test_token_newer_than_completion_raises() -> None:
         g.staleness(7)
     with pytest.raises(ValueError, match="newer than completion"):
         g.k_gen()
+
+
+@given(
+    st.lists(st.tuples(st.lists(st.integers(0, 20), min_size=1, max_size=8), st.integers(0, 5)), min_size=1, max_size=6),
+    st.integers(0, 10),
+)
+def test_cached_group_k_gen_and_k_wait_match_the_exact_decomposition(specs, extra):
+    from pace.records import Group, Trajectory
+
+    trajs = [Trajectory(list(range(len(vs))), [0.0] * len(vs), vs, max(vs) + d, "stop") for vs, d in specs]
+    g = Group(0, "p", [1], "0", 0, trajs)
+    step = g.completed_at + extra
+    k, k_gen, k_wait = g.staleness(step)
+    assert abs(g.k_gen() - k_gen) < 1e-9 and abs(g.k_wait(step) - k_wait) < 1e-9
+    assert abs(g.k_gen() + g.k_wait(step) - k) < 1e-9
