@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pace.pool.columns import PoolColumns
 from pace.records import Batch, Fate, Group
 
 
@@ -56,12 +57,13 @@ class PoolPolicy:
     def admits(self, view: AdmissionView) -> bool:
         return view.inflight < self.max_inflight_groups
 
-    def select(self, pooled: list[Group], step: int) -> Selection | None:
-        """``pooled`` is in completion order. Return None (or a Selection with an empty batch, whose
-        removals are applied) to wait for more groups."""
+    def select(self, pooled: PoolColumns, step: int) -> Selection | None:
+        """``pooled`` holds the pooled groups in completion order, with their per-group staleness
+        columns. Return None (or a Selection with an empty batch, whose removals are applied) to
+        wait for more groups. Called under the pool lock every step: keep it vectorised."""
         if len(pooled) < self.batch_prompts:
             return None
-        return Selection(batch=pooled[: self.batch_prompts])
+        return Selection(batch=pooled.first(self.batch_prompts))
 
     def state_dict(self) -> dict:
         return {}
@@ -76,7 +78,7 @@ class Pool:
         self.informative = informative
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
-        self._pooled: list[Group] = []  # completion order
+        self._pooled = PoolColumns()  # completion order
         self._inflight: dict[int, Group] = {}
         self._counts: Counter[Fate] = Counter()
         self._decided: list[Group] = []  # fates decided since the last drain (for logging)
@@ -116,7 +118,7 @@ class Pool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._arrived:
             while True:
-                selection = self.policy.select(list(self._pooled), step)
+                selection = self.policy.select(self._pooled, step)
                 if selection is not None:
                     self._apply(selection, step)
                     if selection.batch:
@@ -129,14 +131,12 @@ class Pool:
                     return None
 
     def _apply(self, selection: Selection, step: int) -> None:
-        taken = {id(g) for g in selection.batch}
         for group, fate, reason in selection.removed:
-            taken.add(id(group))
+            self._pooled.remove(group)
             self._decide(group, fate, reason, step)
         for group in selection.batch:
+            self._pooled.remove(group)
             self._decide(group, Fate.CONSUMED, "", step)
-        if taken:
-            self._pooled = [g for g in self._pooled if id(g) not in taken]
 
     def drain_decided(self) -> list[Group]:
         with self._lock:
@@ -146,12 +146,15 @@ class Pool:
     def to_rescore(self, version: int) -> list[Group]:
         """Pooled groups with K_gen > 0 whose Prefix Forgetting Score is not from ``version`` (PACE)."""
         with self._lock:
-            return [g for g in self._pooled if g.pfs_version != version and g.k_gen() > 0]
+            cols = self._pooled
+            slots = cols.slots()
+            return cols.groups(slots[(cols.pfs_version[slots] != version) & (cols.k_gen[slots] > 0)])
 
     def set_pfs(self, group: Group, pfs: float, version: int) -> None:
         """Record a group's PFS under weights ``version``; the policy's score window learns it too."""
         with self._lock:
             group.pfs, group.pfs_version = pfs, version
+            self._pooled.set_pfs(group, pfs, version)
             record = getattr(self.policy, "record_pfs", None)
             if record is not None:
                 record([pfs])

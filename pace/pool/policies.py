@@ -1,10 +1,13 @@
 """Pool policies by name (`pool.name`). Each is a few lines over `PoolPolicy` (DESIGN §3 table)."""
 from __future__ import annotations
 
+import numpy as np
+
 from pace.pool import scoring
 from pace.pool.base import AdmissionView, PoolPolicy, Selection
+from pace.pool.columns import PoolColumns
 from pace.pool.scoring import RejectionController, ScoreWindow
-from pace.records import Fate, Group
+from pace.records import Fate
 
 
 class AsyncPolicy(PoolPolicy):
@@ -41,12 +44,13 @@ class StaleKPolicy(PoolPolicy):
         super().__init__(batch_prompts, max_inflight_groups)
         self.max_lag = max_lag
 
-    def select(self, pooled: list[Group], step: int) -> Selection | None:
-        fresh, stale = [], []
-        for g in pooled:
-            (stale if g.k_gen() + g.k_wait(step) > self.max_lag else fresh).append(g)  # K, Lemma 1
-        removed = [(g, Fate.DROPPED_STALE, f"K > max_lag={self.max_lag}") for g in stale]
-        batch = fresh[: self.batch_prompts] if len(fresh) >= self.batch_prompts else []
+    def select(self, pooled: PoolColumns, step: int) -> Selection | None:
+        slots = pooled.slots()
+        lag = pooled.k_gen[slots] + (step - pooled.c_mean[slots])  # K = K_gen + K_wait (Lemma 1)
+        stale = lag > self.max_lag
+        removed = [(g, Fate.DROPPED_STALE, f"K > max_lag={self.max_lag}") for g in pooled.groups(slots[stale])]
+        fresh = slots[~stale]
+        batch = pooled.groups(fresh[: self.batch_prompts]) if len(fresh) >= self.batch_prompts else []
         return Selection(batch=batch, removed=removed) if batch or removed else None
 
 
@@ -88,27 +92,43 @@ class PacePolicy(PoolPolicy):
         """New Prefix Forgetting Scores from rescoring (called under the pool lock)."""
         self.window.extend(values)
 
-    def select(self, pooled: list[Group], step: int) -> Selection | None:
-        n = len(pooled)
+    def select(self, pooled: PoolColumns, step: int) -> Selection | None:
+        slots = pooled.slots()
+        n = len(slots)
         if n < self.batch_prompts:
             return None
         rho = self.controller.update(n)
         budget = self.controller.budget(rho, n, self.batch_prompts)
-        scored = []
-        for i, g in enumerate(pooled):
-            k_gen, k_wait = g.k_gen(), g.k_wait(step)
-            # A group not rescored yet counts its Generation Staleness in full (u = 1).
-            u = self.window.rank(g.pfs) if g.pfs is not None else 1.0
-            s = scoring.score(self.kind, k_wait, k_gen, u, self.gamma)
-            g.scores.update(u=u, score=s, s_eff=scoring.score("effective", k_wait, k_gen, u, self.gamma))
-            scored.append((-s, g.completed_at, i))
-        rejected = {i for _, _, i in sorted(scored)[:budget]}
-        removed = []
-        for i in sorted(rejected):
-            pooled[i].scores.update(rho=rho, budget=budget)
-            removed.append((pooled[i], Fate.REJECTED, f"pace:{self.kind}"))
-        batch = [g for i, g in enumerate(pooled) if i not in rejected][: self.batch_prompts]
-        return Selection(batch=batch, removed=removed, metrics={"rho": rho, "budget": budget})
+        k_gen, k_wait, completed = pooled.k_gen[slots], step - pooled.c_mean[slots], pooled.completed[slots]
+        if self.kind == "effective":
+            # u^γ ∈ [0, 1] bounds every score in [K_wait, K_wait + K_gen]. Only groups whose upper
+            # bound reaches the budget-th highest lower bound can be among the R highest scores,
+            # so only they need their PFS ranked (in steady state a few per cent of the pool).
+            cand = scoring.candidates(k_wait, k_wait + k_gen, budget)
+            s = self._scores(pooled.pfs[slots[cand]], k_wait[cand], k_gen[cand])[0]
+            rejected = cand[scoring.top_r(s, completed[cand], budget)]
+        else:  # raw / generation do not depend on the PFS
+            rejected = scoring.top_r(scoring.score(self.kind, k_wait, k_gen), completed, budget)
+        kept = np.ones(n, dtype=bool)
+        kept[rejected] = False
+        taken = np.flatnonzero(kept)[: self.batch_prompts]
+        # Scores are logged per group: compute them in full for the groups decided now.
+        decided = np.concatenate([rejected, taken])
+        s, u, s_eff = self._scores(pooled.pfs[slots[decided]], k_wait[decided], k_gen[decided])
+        groups = pooled.groups(slots[decided])
+        for i, g in enumerate(groups):
+            g.scores.update(u=float(u[i]), score=float(s[i]), s_eff=float(s_eff[i]))
+            if i < len(rejected):
+                g.scores.update(rho=rho, budget=budget)
+        removed = [(g, Fate.REJECTED, f"pace:{self.kind}") for g in groups[: len(rejected)]]
+        return Selection(batch=groups[len(rejected):], removed=removed, metrics={"rho": rho, "budget": budget})
+
+    def _scores(self, pfs: np.ndarray, k_wait: np.ndarray, k_gen: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(score, u, effective score); a group not rescored yet has u = 1 (K_gen counts in full)."""
+        u = self.window.ranks(pfs)
+        s_eff = scoring.score("effective", k_wait, k_gen, u, self.gamma)
+        s = s_eff if self.kind == "effective" else scoring.score(self.kind, k_wait, k_gen, u, self.gamma)
+        return s, u, s_eff
 
     def state_dict(self) -> dict:
         return {"controller": self.controller.state_dict(), "window": self.window.state_dict()}

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from pace.pool import Pool
 from pace.pool.base import AdmissionView
+from pace.pool.columns import PoolColumns
 from pace.pool.policies import GatePolicy, PacePolicy, StaleKPolicy
 from pace.pool.scoring import RejectionController, ScoreWindow, score
 from pace.records import Fate, Group, Trajectory
@@ -86,7 +87,7 @@ def pace(b=2, target=2, ema=0.0, kind="raw", gamma=1.0):
 def test_pace_rejects_the_highest_scores_and_takes_fifo():
     # B = 2, target 2, ema 0 → ρ = excess = (6 − 2)/6; budget = min(⌊4/6·6⌋, 6 − 2) = 4.
     pooled = [group(i, [v] * 4, c) for i, (v, c) in enumerate([(0, 5), (5, 5), (1, 5), (4, 5), (2, 5), (3, 5)])]
-    sel = pace().select(pooled, step=6)
+    sel = pace().select(PoolColumns.of(pooled), step=6)
     # raw score = K = 6 − v: ids 0 (6), 2 (5), 4 (4), 5 (3) are the four stalest
     assert sorted(g.id for g, fate, _ in sel.removed) == [0, 2, 4, 5]
     assert all(fate == Fate.REJECTED for _, fate, _ in sel.removed)
@@ -97,7 +98,7 @@ def test_pace_rejects_the_highest_scores_and_takes_fifo():
 def test_pace_ties_reject_older_completion_first():
     pooled = [group(0, [3] * 2, 4), group(1, [2] * 2, 3), group(2, [5] * 2, 5)]
     # generation score: K_gen = 1 for ids 0 and 1 (tie), 0 for id 2; budget = min(⌊(1/3)·3⌋, 1) = 1
-    sel = pace(b=2, kind="generation").select(pooled, step=6)
+    sel = pace(b=2, kind="generation").select(PoolColumns.of(pooled), step=6)
     assert [g.id for g, _, _ in sel.removed] == [1]  # completed at 3, before id 0 at 4
 
 
@@ -105,15 +106,49 @@ def test_pace_ties_reject_older_completion_first():
 @given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 3)), min_size=2, max_size=30), st.integers(1, 4))
 def test_pace_rejected_scores_dominate_kept(specs, b):
     pooled = [group(i, [max(0, c - lag)] * 3, c) for i, (c, lag) in enumerate(specs)]
-    sel = pace(b=b, target=b).select(pooled, step=10)
+    sel = pace(b=b, target=b).select(PoolColumns.of(pooled), step=10)
     if len(pooled) < b:
         assert sel is None
         return
-    rejected = [g.scores["score"] for g, _, _ in sel.removed]
-    kept = [g.scores["score"] for g in pooled if g not in [r for r, _, _ in sel.removed]]
+    k = {g.id: 10 - g.trajectories[0].versions[0] for g in pooled}  # raw score = K
+    rejected = {g.id for g, _, _ in sel.removed}
     if rejected:
-        assert min(rejected) >= max(kept)
+        assert min(k[i] for i in rejected) >= max(k[g.id] for g in pooled if g.id not in rejected)
+    assert all(g.scores["score"] == k[g.id] for g, _, _ in sel.removed)
     assert len(sel.batch) == b and len(pooled) - len(rejected) >= b
+
+
+def reference_select(pooled, step, kind, gamma, window, budget, b):
+    """PACE's step 4–5 as a plain loop over groups (the spec the vectorised policy must match)."""
+    ranked = []
+    for pos, g in enumerate(pooled):
+        u = window.rank(g.pfs) if g.pfs is not None else 1.0
+        ranked.append((-score(kind, g.k_wait(step), g.k_gen(), u, gamma), g.completed_at, pos))
+    rejected = {pos for _, _, pos in sorted(ranked)[:budget]}
+    return sorted(pooled[p].id for p in rejected), [g.id for p, g in enumerate(pooled) if p not in rejected][:b]
+
+
+@settings(max_examples=100)
+@given(
+    specs=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3), st.integers(1, 4), st.one_of(st.none(), st.integers(0, 4))),
+                   min_size=1, max_size=40),
+    kind=st.sampled_from(["effective", "raw", "generation"]),
+    gamma=st.sampled_from([0.0, 1.0, 2.0]),
+    b=st.integers(1, 4),
+    target=st.integers(0, 8),
+)
+def test_vectorised_selection_matches_the_reference_loop(specs, kind, gamma, b, target):
+    # groups with ties in every column: completion c, generation lag, length, PFS on a coarse grid
+    pooled = [group(i, [max(0, c - lag)] * n + [c], c, None if q is None else q / 4) for i, (c, lag, n, q) in enumerate(specs)]
+    p = PacePolicy(b, 100, score=kind, gamma=gamma, target_pool=target, ema=0.0, score_window=8)
+    p.record_pfs([0.0, 0.25, 0.5, 0.75, 1.0])
+    sel = p.select(PoolColumns.of(pooled), step=7)
+    if len(pooled) < b:
+        assert sel is None
+        return
+    want_rejected, want_batch = reference_select(pooled, 7, kind, gamma, p.window, sel.metrics["budget"], b)
+    assert sorted(g.id for g, _, _ in sel.removed) == want_rejected
+    assert [g.id for g in sel.batch] == want_batch
 
 
 def test_pace_effective_discounts_generation_staleness_of_low_pfs_groups():
@@ -121,7 +156,7 @@ def test_pace_effective_discounts_generation_staleness_of_low_pfs_groups():
     p.record_pfs([0.1, 0.2, 0.3, 0.4])
     a = group(0, [0] * 4, 4, pfs=0.05)  # K_gen 4, u = 0 → effective = K_wait = 1
     b = group(1, [3] * 4, 4, pfs=0.4)  # K_gen 1, u = 1 → effective = 1 + 1 = 2
-    sel = p.select([a, b], step=5)
+    sel = p.select(PoolColumns.of([a, b]), step=5)
     assert a.scores["score"] == 1.0 and b.scores["score"] == 2.0
     assert [g.id for g, _, _ in sel.removed] == [1]  # raw would have rejected a (K = 5 vs 2)
 
@@ -146,9 +181,9 @@ def test_pace_in_a_pool_keeps_accounting():
 def test_stale_k_drops_over_the_lag_and_waits_for_fresh_groups():
     p = StaleKPolicy(2, 100, max_lag=2)
     old, fresh = group(0, [0] * 2, 1), group(1, [4] * 2, 4)
-    sel = p.select([old, fresh], step=4)  # K(old) = 4 > 2 dropped; one fresh group < B: no batch
+    sel = p.select(PoolColumns.of([old, fresh]), step=4)  # K(old) = 4 > 2 dropped; one fresh group < B: no batch
     assert [(g.id, f) for g, f, _ in sel.removed] == [(0, Fate.DROPPED_STALE)] and sel.batch == []
-    sel = p.select([fresh, group(2, [3] * 2, 4)], step=4)
+    sel = p.select(PoolColumns.of([fresh, group(2, [3] * 2, 4)]), step=4)
     assert [g.id for g in sel.batch] == [1, 2] and sel.removed == []
 
 
@@ -157,3 +192,15 @@ def test_gate_admission_arithmetic():
     view = lambda v, started: AdmissionView(v, v, v, started, 0, 0, 4)  # noqa: E731
     assert gate.admits(view(0, 11)) and not gate.admits(view(0, 12))  # (0 + 2 + 1)·4 = 12
     assert gate.admits(view(1, 15)) and not gate.admits(view(1, 16))
+
+
+@settings(max_examples=100)
+@given(st.lists(st.one_of(st.none(), st.integers(0, 10)), max_size=60), st.lists(st.integers(0, 10), max_size=20))
+def test_vectorised_ranks_match_the_scalar_rank(values, window):
+    import numpy as np
+
+    w = ScoreWindow(size=16)
+    w.extend(v / 10 for v in window)
+    arr = np.array([np.nan if v is None else v / 10 for v in values], dtype=float)
+    want = [1.0 if v is None else w.rank(v / 10) for v in values]
+    assert w.ranks(arr).tolist() == want

@@ -195,7 +195,8 @@ class _RejectOldest(PoolPolicy):
             return None
         from pace.pool.base import Selection
 
-        return Selection(batch=pooled[1 : 1 + self.batch_prompts], removed=[(pooled[0], Fate.REJECTED, "oldest")],
+        first = pooled.first(1 + self.batch_prompts)
+        return Selection(batch=first[1:], removed=[(first[0], Fate.REJECTED, "oldest")],
                          metrics={"budget": 1})
 
 
