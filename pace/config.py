@@ -49,10 +49,13 @@ class RolloutConfig:
     overlong_buffer: int = 16  # L_cache (DAPO soft overlong punishment)
     temperature: float = 1.0
     top_p: float = 1.0
-    max_inflight_groups: int = 64  # cap on groups submitted and not yet pooled
+    # Cap on groups submitted and not yet pooled. The tiny default's 128 groups (1024 sequences)
+    # make production outrun training on 2 CPU cores, so an unfiltered pool builds a backlog as
+    # in the paper's runs (README "The backlog").
+    max_inflight_groups: int = 128
     sync_every: int = 1  # weight sync every N training steps
     max_model_len: int = 256
-    max_num_seqs: int = 256
+    max_num_seqs: int = 1024  # sequences the engine runs at once (vLLM max_num_seqs)
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True

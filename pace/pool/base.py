@@ -65,6 +65,10 @@ class PoolPolicy:
             return None
         return Selection(batch=pooled.first(self.batch_prompts))
 
+    def wants_pfs(self, occupancy: int) -> bool:
+        """Whether Prefix Forgetting Scores can change this policy's next decisions (PACE only)."""
+        return False
+
     def state_dict(self) -> dict:
         return {}
 
@@ -158,6 +162,11 @@ class Pool:
             record = getattr(self.policy, "record_pfs", None)
             if record is not None:
                 record([pfs])
+
+    def wants_pfs(self) -> bool:
+        """Whether rescoring pooled prefixes is worth engine time now (asked by the rollout thread)."""
+        with self._lock:
+            return self.policy.wants_pfs(len(self._pooled))
 
     def drain_arrived(self) -> list[Group]:
         """Groups completed since the last call, filtered or not: what the current policy produces."""

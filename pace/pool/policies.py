@@ -88,6 +88,14 @@ class PacePolicy(PoolPolicy):
         self.controller = RejectionController(target_pool, ema)
         self.window = ScoreWindow(score_window)
 
+    def wants_pfs(self, occupancy: int) -> bool:
+        """Only `effective` ranking reads the PFS, and only a step with a rejection budget ranks:
+        while the pool is at or under its target and ρ is too small to reject anything, scores
+        would cost engine time for nothing."""
+        if self.kind != "effective":
+            return False
+        return occupancy > self.controller.target or self.controller.rho * occupancy >= 1
+
     def record_pfs(self, values: list[float]) -> None:
         """New Prefix Forgetting Scores from rescoring (called under the pool lock)."""
         self.window.extend(values)

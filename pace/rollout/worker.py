@@ -79,7 +79,8 @@ class RolloutWorker(threading.Thread):
         self._pending: dict[int, _Pending] = {}
         self._grading: deque[tuple[Group, object]] = deque()
         self._next_group_id = 0
-        self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0}
+        self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
+                      "rescore_seqs": 0, "rescore_skipped": 0}
         # PACE: rescore pooled prefixes after each update (only the pace policy reads PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if cfg.pool.name == "pace" else 0
         self._rescoring: dict[int, _Rescore] = {}
@@ -118,6 +119,10 @@ class RolloutWorker(threading.Thread):
             "rollout/engine_version": self.engine_version,
             "rollout/sync_apply_s": s["sync_s"],
             "rollout/rescored_groups": s["rescored"],
+            # scoring sequences sent to the engine in the interval, and prefixes needing none
+            # (generated entirely by the loaded weights: distance 0)
+            "rollout/rescore_seqs": s["rescore_seqs"] - last["rescore_seqs"],
+            "rollout/rescore_skipped": s["rescore_skipped"] - last["rescore_skipped"],
         }
 
     def check(self) -> None:
@@ -165,26 +170,41 @@ class RolloutWorker(threading.Thread):
         self.stats["sync_s"] += time.perf_counter() - t0
         self.stats["syncs"] += 1
         self.engine_version = version
-        if self.prefix_tokens:
+        if self.prefix_tokens and self.pool.wants_pfs():
             self._start_rescoring()
         return True
 
     def _start_rescoring(self) -> None:
-        """Submit prompt + first m response tokens of every pooled group with K_gen > 0 (DESIGN §3, PFS).
+        """After an update: rescore every pooled group with K_gen > 0 not yet scored under it."""
+        self._rescore(self.pool.to_rescore(self.engine_version))
 
-        Scoring requests run in the same engine steps as generation, so rescoring overlaps both
-        generation and training; `rescore_s` is the wall time from the update until the last score
-        of that version is in.
+    def _rescore(self, groups: list[Group]) -> None:
+        """Submit prompt + first m response tokens of each group under the engine's weights (PFS, DESIGN §3).
+
+        Called after each update for the pooled groups, and for each group with K_gen > 0 as it
+        enters the pool (its early tokens already come from older weights), so a group is scored
+        before the trainer can draw it. Scoring requests run in the same engine steps as
+        generation, ahead of queued generation requests (priority −1), so rescoring overlaps both
+        generation and training; `rescore_s` is the wall time during which any score is pending.
         """
         params = engine_lib.scoring_params()
         salt = engine_lib.cache_salt(self.engine_version)
-        for group in self.pool.to_rescore(self.engine_version):
+        v, m = self.engine_version, self.prefix_tokens
+        for group in groups:
             if group.id in self._rescoring:
                 continue  # still being scored under an earlier version: rescored at the next update
-            self._rescoring[group.id] = _Rescore(group, self.engine_version, len(group.trajectories))
-            for i, traj in enumerate(group.trajectories):
-                ids = group.prompt_ids + traj.response_ids[: self.prefix_tokens]
-                self.engine.add_request(f"s{group.id}-{i}", {"prompt_token_ids": ids, "cache_salt": salt}, params)
+            # A prefix generated entirely by the loaded weights has distance 0 by definition: no request.
+            todo = [i for i, t in enumerate(group.trajectories) if any(x != v for x in t.versions[:m])]
+            job = self._rescoring[group.id] = _Rescore(group, v, len(todo))
+            job.distances.update({i: 0.0 for i in range(len(group.trajectories)) if i not in todo})
+            self.stats["rescore_skipped"] += len(group.trajectories) - len(todo)
+            self.stats["rescore_seqs"] += len(todo)
+            if not todo:
+                self._finish_rescore(job)
+            for i in todo:
+                ids = group.prompt_ids + group.trajectories[i].response_ids[:m]
+                self.engine.add_request(f"s{group.id}-{i}", {"prompt_token_ids": ids, "cache_salt": salt}, params,
+                                        priority=engine_lib.SCORING_PRIORITY)
         if self._rescoring and self._rescore_started is None:
             self._rescore_started = time.perf_counter()
 
@@ -198,12 +218,15 @@ class RolloutWorker(threading.Thread):
         job.distances[idx] = sum(abs(a - b) for a, b in zip(current, traj.logprobs[:m])) / m
         job.remaining -= 1
         if job.remaining == 0:
-            del self._rescoring[gid]
-            self.pool.set_pfs(job.group, sum(job.distances.values()) / len(job.distances), job.version)
-            self.stats["rescored"] += 1
-            if not self._rescoring and self._rescore_started is not None:
-                self.stats["rescore_s"] += time.perf_counter() - self._rescore_started
-                self._rescore_started = None
+            self._finish_rescore(job)
+
+    def _finish_rescore(self, job: _Rescore) -> None:
+        del self._rescoring[job.group.id]
+        self.pool.set_pfs(job.group, sum(job.distances.values()) / len(job.distances), job.version)
+        self.stats["rescored"] += 1
+        if not self._rescoring and self._rescore_started is not None:
+            self.stats["rescore_s"] += time.perf_counter() - self._rescore_started
+            self._rescore_started = None
 
     def _admit(self) -> bool:
         started = False
@@ -265,7 +288,11 @@ class RolloutWorker(threading.Thread):
         while self._grading and self._grading[0][1].done():
             group, job = self._grading.popleft()
             self._score(group, job.result())
-            self.pool.add(group, self.trainer_version)
+            pooled = self.pool.add(group, self.trainer_version)
+            if pooled and self.prefix_tokens and group.k_gen() > 0 and self.pool.wants_pfs():
+                # this group, and any pooled one not yet scored under these weights (the pool may
+                # just have crossed its target: the oldest groups are the first rejection candidates)
+                self._rescore(self.pool.to_rescore(self.engine_version))
             done = True
         return done
 

@@ -113,8 +113,9 @@ def test_rollout_records_versions_across_an_update(llm, weights, tiny_model_path
 
 
 def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weights):
-    """PACE rescoring on the rollout thread's loop (stepped by hand): PFS ≈ 0 with unchanged weights,
-    clearly > 0 after the weights move."""
+    """PACE rescoring on the rollout thread's loop (stepped by hand): groups with K_gen > 0 are scored
+    as they enter the pool and again after each update; PFS ≈ 0 under the weights that generated the
+    prefix (at arrival, and after an update to equal values), clearly > 0 after the weights move."""
     import time
 
     from omegaconf import OmegaConf
@@ -128,6 +129,7 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
 
     cfg = OmegaConf.structured(Config)
     cfg.pool.name, cfg.pace.prefix_tokens = "pace", 8
+    cfg.pace.target_pool = 0  # always over target: scores are wanted from the first group on
     cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = 2, 4, 2
     pool = Pool(build_policy(cfg), informative=lambda g: True)
     sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[2]), "train"), seed=0)
@@ -147,13 +149,16 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
             time.sleep(0.05)
         assert pool.occupancy == 2
         groups = pool.remaining()
+        drain()  # the arrival scoring, under version 0: the weights that generated every token
+        assert all(g.pfs_version == 0 for g in groups) and max(g.pfs for g in groups) < 1e-4
+        assert len(pool.policy.window) == 2 and worker.stats["rescored"] == 2
 
         worker.post_weights(1, weights)  # same values as version 0
         worker._apply_update()
         drain()
         assert all(g.pfs_version == 1 for g in groups)
         assert max(g.pfs for g in groups) < 1e-4
-        assert len(pool.policy.window) == 2 and worker.stats["rescored"] == 2
+        assert len(pool.policy.window) == 4 and worker.stats["rescored"] == 4
 
         gen = torch.Generator().manual_seed(1)
         worker.post_weights(2, [(n, t + 0.05 * torch.randn(t.shape, generator=gen)) for n, t in weights])

@@ -161,6 +161,16 @@ def test_pace_effective_discounts_generation_staleness_of_low_pfs_groups():
     assert [g.id for g, _, _ in sel.removed] == [1]  # raw would have rejected a (K = 5 vs 2)
 
 
+def test_pfs_is_wanted_only_when_effective_ranking_can_reject():
+    p = pace(b=2, target=4, ema=0.5, kind="effective")
+    assert not p.wants_pfs(4)  # at target, ρ = 0: no step will reject
+    assert p.wants_pfs(5)  # over target
+    p.controller.update(8)  # ρ = 0.5 · 4/8 = 0.25: ⌊0.25 · 4⌋ = 1 rejection even at target
+    assert p.wants_pfs(4) and not p.wants_pfs(3)
+    assert not pace(b=2, target=0, kind="raw").wants_pfs(100)  # raw / generation never read the PFS
+    assert not pace(b=2, target=0, kind="generation").wants_pfs(100)
+
+
 def test_pace_in_a_pool_keeps_accounting():
     pool = Pool(pace(b=2, target=2, ema=0.0), informative=lambda g: True)
     for i in range(8):
