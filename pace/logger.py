@@ -19,6 +19,22 @@ from pace.records import Fate, Group
 from pace.staleness import versions_spanned
 
 
+def group_schema():
+    """Column types of the per-group Parquet parts, fixed so that every part has the same schema
+    (a part where a column happens to be all-null must not be typed `null`, or the parts of one
+    run could not be read together)."""
+    import pyarrow as pa
+
+    i, f, s = pa.int64(), pa.float64(), pa.string()
+    return pa.schema([
+        ("id", i), ("prompt_id", s), ("fate", s), ("reason", s), ("step", i), ("submitted_at", i),
+        ("c", i), ("k", f), ("k_gen", f), ("k_wait", f), ("pfs", f), ("u", f), ("s_eff", f),
+        ("score", f), ("rho", f), ("budget", i), ("pfs_version", i), ("reward_mean", f),
+        ("reward_std", f), ("acc_mean", f), ("len_mean", f), ("len_max", i),
+        ("lengths", pa.list_(i)), ("num_tokens", i), ("versions_spanned", i),
+    ])
+
+
 def group_row(group: Group) -> dict:
     """One per-group record (DESIGN §6). Staleness is taken at the step the fate was decided."""
     trajs = [t for t in group.trajectories if len(t) > 0]
@@ -116,10 +132,11 @@ class RunLogger:
     def flush(self) -> None:
         if not self._rows:
             return
-        import pandas as pd
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
         path = self.dir / "groups" / f"part-{self._part:05d}.parquet"
-        pd.DataFrame(self._rows).to_parquet(path, index=False)
+        pq.write_table(pa.Table.from_pylist(self._rows, schema=group_schema()), path)
         self._part += 1
         self._rows = []
 

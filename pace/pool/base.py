@@ -19,6 +19,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pace.pool.columns import PoolColumns
 from pace.records import Batch, Fate, Group
 
@@ -65,9 +67,10 @@ class PoolPolicy:
             return None
         return Selection(batch=pooled.first(self.batch_prompts))
 
-    def wants_pfs(self, occupancy: int) -> bool:
-        """Whether Prefix Forgetting Scores can change this policy's next decisions (PACE only)."""
-        return False
+    def pfs_candidates(self, pooled: PoolColumns, step: int) -> np.ndarray:
+        """Slots of the pooled groups whose Prefix Forgetting Score could change the decision at
+        ``step`` (PACE only: the rollout rescores just these)."""
+        return np.empty(0, dtype=np.int64)
 
     def state_dict(self) -> dict:
         return {}
@@ -148,10 +151,11 @@ class Pool:
             return out
 
     def to_rescore(self, version: int) -> list[Group]:
-        """Pooled groups with K_gen > 0 whose Prefix Forgetting Score is not from ``version`` (PACE)."""
+        """Groups to rescore under weights ``version`` (PACE): those whose PFS could change the next
+        batch's rejections, with K_gen > 0 and no PFS from ``version`` yet."""
         with self._lock:
             cols = self._pooled
-            slots = cols.slots()
+            slots = self.policy.pfs_candidates(cols, self.batches_formed)
             return cols.groups(slots[(cols.pfs_version[slots] != version) & (cols.k_gen[slots] > 0)])
 
     def set_pfs(self, group: Group, pfs: float, version: int) -> None:
@@ -162,11 +166,6 @@ class Pool:
             record = getattr(self.policy, "record_pfs", None)
             if record is not None:
                 record([pfs])
-
-    def wants_pfs(self) -> bool:
-        """Whether rescoring pooled prefixes is worth engine time now (asked by the rollout thread)."""
-        with self._lock:
-            return self.policy.wants_pfs(len(self._pooled))
 
     def drain_arrived(self) -> list[Group]:
         """Groups completed since the last call, filtered or not: what the current policy produces."""

@@ -88,13 +88,23 @@ class PacePolicy(PoolPolicy):
         self.controller = RejectionController(target_pool, ema)
         self.window = ScoreWindow(score_window)
 
-    def wants_pfs(self, occupancy: int) -> bool:
-        """Only `effective` ranking reads the PFS, and only a step with a rejection budget ranks:
-        while the pool is at or under its target and ρ is too small to reject anything, scores
-        would cost engine time for nothing."""
-        if self.kind != "effective":
-            return False
-        return occupancy > self.controller.target or self.controller.rho * occupancy >= 1
+    def pfs_candidates(self, pooled: PoolColumns, step: int) -> np.ndarray:
+        """Groups whose PFS can matter at the next batch: only `effective` ranking reads it, and only
+        the groups whose score bounds [K_wait, K_wait + K_gen] reach the r-th highest lower bound,
+        r the budget predicted from the occupancy now, doubled (plus one) for the groups still to
+        arrive before the batch is formed. The rollout asks again as groups arrive and after each
+        sync, so the set follows the pool. Nothing while the budget would be zero."""
+        slots = pooled.slots()
+        n = len(slots)
+        if self.kind != "effective" or n == 0:
+            return slots[:0]
+        c = self.controller
+        rho = c.ema * c.rho + (1.0 - c.ema) * max(0, n - c.target) / n  # c.update(n) without the side effect
+        r = c.budget(rho, n, self.batch_prompts)
+        if r == 0:
+            return slots[:0]
+        k_wait = step - pooled.c_mean[slots]
+        return slots[scoring.candidates(k_wait, k_wait + pooled.k_gen[slots], 2 * r + 1)]
 
     def record_pfs(self, values: list[float]) -> None:
         """New Prefix Forgetting Scores from rescoring (called under the pool lock)."""

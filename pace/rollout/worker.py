@@ -170,21 +170,22 @@ class RolloutWorker(threading.Thread):
         self.stats["sync_s"] += time.perf_counter() - t0
         self.stats["syncs"] += 1
         self.engine_version = version
-        if self.prefix_tokens and self.pool.wants_pfs():
+        if self.prefix_tokens:
             self._start_rescoring()
         return True
 
     def _start_rescoring(self) -> None:
-        """After an update: rescore every pooled group with K_gen > 0 not yet scored under it."""
+        """Score the pooled groups whose PFS could change the next rejections (`Pool.to_rescore`) and
+        that have none under the loaded weights: after each update and as groups arrive."""
         self._rescore(self.pool.to_rescore(self.engine_version))
 
     def _rescore(self, groups: list[Group]) -> None:
         """Submit prompt + first m response tokens of each group under the engine's weights (PFS, DESIGN §3).
 
-        Called after each update for the pooled groups, and for each group with K_gen > 0 as it
-        enters the pool (its early tokens already come from older weights), so a group is scored
-        before the trainer can draw it. Scoring requests run in the same engine steps as
-        generation, ahead of queued generation requests (priority −1), so rescoring overlaps both
+        A group is scored as soon as it becomes a rejection candidate, under the weights loaded then
+        (its early tokens are already older), and again after each update while it stays one, so
+        a score is in before the trainer ranks it. Scoring requests run in the same engine steps
+        as generation, ahead of queued generation requests (priority −1), so rescoring overlaps
         generation and training; `rescore_s` is the wall time during which any score is pending.
         """
         params = engine_lib.scoring_params()
@@ -288,11 +289,9 @@ class RolloutWorker(threading.Thread):
         while self._grading and self._grading[0][1].done():
             group, job = self._grading.popleft()
             self._score(group, job.result())
-            pooled = self.pool.add(group, self.trainer_version)
-            if pooled and self.prefix_tokens and group.k_gen() > 0 and self.pool.wants_pfs():
-                # this group, and any pooled one not yet scored under these weights (the pool may
-                # just have crossed its target: the oldest groups are the first rejection candidates)
-                self._rescore(self.pool.to_rescore(self.engine_version))
+            if self.pool.add(group, self.trainer_version) and self.prefix_tokens:
+                # the arrival raises the occupancy, and so the predicted budget and the candidates
+                self._start_rescoring()
             done = True
         return done
 

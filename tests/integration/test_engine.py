@@ -129,8 +129,10 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
 
     cfg = OmegaConf.structured(Config)
     cfg.pool.name, cfg.pace.prefix_tokens = "pace", 8
-    cfg.pace.target_pool = 0  # always over target: scores are wanted from the first group on
-    cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = 2, 4, 2
+    # B = 1, target 0, ema 0: with two pooled groups the budget is 1, so both are rejection
+    # candidates and get scored (at the second arrival, and after each update)
+    cfg.pace.target_pool, cfg.pace.ema = 0, 0.0
+    cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = 1, 4, 2
     pool = Pool(build_policy(cfg), informative=lambda g: True)
     sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[2]), "train"), seed=0)
     with Grader(workers=1) as grader:

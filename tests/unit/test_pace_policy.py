@@ -161,14 +161,20 @@ def test_pace_effective_discounts_generation_staleness_of_low_pfs_groups():
     assert [g.id for g, _, _ in sel.removed] == [1]  # raw would have rejected a (K = 5 vs 2)
 
 
-def test_pfs_is_wanted_only_when_effective_ranking_can_reject():
+def test_pfs_candidates_are_the_groups_a_predicted_budget_can_reach():
+    # B = 2, target 4, ema 0.5; groups completed at versions 0..7 (one token each, K_gen 0 or 3)
+    pooled = [group(i, [max(0, i - 3 * (i == 6))], i) for i in range(8)]
+    cols = PoolColumns.of(pooled)
     p = pace(b=2, target=4, ema=0.5, kind="effective")
-    assert not p.wants_pfs(4)  # at target, ρ = 0: no step will reject
-    assert p.wants_pfs(5)  # over target
-    p.controller.update(8)  # ρ = 0.5 · 4/8 = 0.25: ⌊0.25 · 4⌋ = 1 rejection even at target
-    assert p.wants_pfs(4) and not p.wants_pfs(3)
-    assert not pace(b=2, target=0, kind="raw").wants_pfs(100)  # raw / generation never read the PFS
-    assert not pace(b=2, target=0, kind="generation").wants_pfs(100)
+    # predicted ρ = 0.5 · 0 + 0.5 · (8 − 4)/8 = 0.25 → budget ⌊0.25 · 8⌋ = 2 → look at the top 2·2 + 1 = 5
+    # lower bounds K_wait = 10 − c: 10..3; the 5th highest is 6 (c = 4). Upper bounds reach it for
+    # c ≤ 4, and for id 6 (K_wait 4 + K_gen 3 = 7): it could outrank the old ones.
+    got = [g.id for g in cols.groups(p.pfs_candidates(cols, step=10))]
+    assert got == [0, 1, 2, 3, 4, 6]
+    assert p.controller.rho == 0.0  # predicting does not move the controller
+    assert len(p.pfs_candidates(PoolColumns.of(pooled[:4]), step=10)) == 0  # at target, ρ = 0: no budget
+    for kind in ("raw", "generation"):  # they never read the PFS
+        assert len(pace(b=2, target=0, kind=kind).pfs_candidates(cols, step=10)) == 0
 
 
 def test_pace_in_a_pool_keeps_accounting():

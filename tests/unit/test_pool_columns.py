@@ -6,7 +6,7 @@ import pytest
 
 from pace.pool import Pool
 from pace.pool.columns import PoolColumns
-from pace.pool.policies import AsyncPolicy
+from pace.pool.policies import AsyncPolicy, PacePolicy
 from pace.records import Group, Trajectory
 
 pytestmark = pytest.mark.unit
@@ -65,7 +65,9 @@ def test_set_pfs_of_a_group_that_left_is_ignored():
 
 
 def test_to_rescore_selects_stale_generations_not_yet_scored_under_this_version():
-    pool = Pool(AsyncPolicy(2, 16), informative=lambda g: True)
+    # target 0, ema 0: every group is over target and within reach of the budget
+    policy = PacePolicy(1, 16, score="effective", gamma=1.0, target_pool=0, ema=0.0, score_window=8)
+    pool = Pool(policy, informative=lambda g: True)
     on_policy, off_a, off_b = group(0, [3, 3], 3), group(1, [1, 3], 3), group(2, [2, 3], 3)
     for g in (on_policy, off_a, off_b):
         pool.on_submitted(g)
@@ -74,3 +76,11 @@ def test_to_rescore_selects_stale_generations_not_yet_scored_under_this_version(
     pool.set_pfs(off_a, 0.3, 4)
     assert [g.id for g in pool.to_rescore(4)] == [2]
     assert [g.id for g in pool.to_rescore(5)] == [1, 2]
+
+
+def test_policies_without_pfs_rescore_nothing():
+    pool = Pool(AsyncPolicy(1, 16), informative=lambda g: True)
+    for g in (group(0, [1, 3], 3), group(1, [2, 3], 3)):
+        pool.on_submitted(g)
+        pool.add(g, 3)
+    assert pool.to_rescore(4) == []
