@@ -107,10 +107,6 @@ def step_metrics(batch, pool, decided, t_wait: float) -> dict:
     produced = [t for g in arrived for t in g.trajectories]
     rollout = {"rollout/groups_completed": len(arrived)}
     if pool.policy.name == "pace":
-        # How often the ranking saw a Prefix Forgetting Score (else u = 1, the raw score)
-        ranked = [g for g in decided if g.fate in (Fate.CONSUMED, Fate.REJECTED) and g.k_gen() > 0]
-        if ranked:
-            rollout["pace/pfs_coverage"] = sum(g.pfs is not None for g in ranked) / len(ranked)
         # S_eff = K_wait + u^γ K_gen of the consumed groups (DESIGN §2), as the policy scored them
         rollout["staleness/effective_mean"] = sum(g.scores["s_eff"] for g in batch.groups) / n
     if produced:

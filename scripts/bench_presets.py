@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ["time/step", "time/generate", "time/wait_data", "time/train", "time/sync", "time/rescore"]
 EXTRA = ["staleness/k_mean", "staleness/k_wait_mean", "staleness/k_gen_mean", "pool/occupancy", "pool/rejected",
-         "rollout/tokens_per_s", "rollout/rescore_seqs", "pace/pfs_coverage"]
+         "rollout/tokens_per_s", "rollout/rescore_seqs", "pool/pfs_coverage"]
 
 
 def run(preset: str, steps: int, overrides: list[str], run_dir: Path) -> tuple[list[dict], float]:

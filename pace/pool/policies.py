@@ -118,13 +118,18 @@ class PacePolicy(PoolPolicy):
         rho = self.controller.update(n)
         budget = self.controller.budget(rho, n, self.batch_prompts)
         k_gen, k_wait, completed = pooled.k_gen[slots], step - pooled.c_mean[slots], pooled.completed[slots]
+        metrics = {"rho": rho, "budget": budget}
         if self.kind == "effective":
             # u^γ ∈ [0, 1] bounds every score in [K_wait, K_wait + K_gen]. Only groups whose upper
             # bound reaches the budget-th highest lower bound can be among the R highest scores,
             # so only they need their PFS ranked (in steady state a few per cent of the pool).
             cand = scoring.candidates(k_wait, k_wait + k_gen, budget)
-            s = self._scores(pooled.pfs[slots[cand]], k_wait[cand], k_gen[cand])[0]
+            pfs = pooled.pfs[slots[cand]]
+            s = self._scores(pfs, k_wait[cand], k_gen[cand])[0]
             rejected = cand[scoring.top_r(s, completed[cand], budget)]
+            ranked = k_gen[cand] > 0  # candidates whose score the PFS can change
+            if ranked.any():
+                metrics["pfs_coverage"] = float(np.mean(~np.isnan(pfs[ranked])))
         else:  # raw / generation do not depend on the PFS
             rejected = scoring.top_r(scoring.score(self.kind, k_wait, k_gen), completed, budget)
         kept = np.ones(n, dtype=bool)
@@ -139,7 +144,7 @@ class PacePolicy(PoolPolicy):
             if i < len(rejected):
                 g.scores.update(rho=rho, budget=budget)
         removed = [(g, Fate.REJECTED, f"pace:{self.kind}") for g in groups[: len(rejected)]]
-        return Selection(batch=groups[len(rejected):], removed=removed, metrics={"rho": rho, "budget": budget})
+        return Selection(batch=groups[len(rejected):], removed=removed, metrics=metrics)
 
     def _scores(self, pfs: np.ndarray, k_wait: np.ndarray, k_gen: np.ndarray) -> tuple[np.ndarray, ...]:
         """(score, u, effective score); a group not rescored yet has u = 1 (K_gen counts in full)."""

@@ -159,6 +159,10 @@ def test_pace_effective_discounts_generation_staleness_of_low_pfs_groups():
     sel = p.select(PoolColumns.of([a, b]), step=5)
     assert a.scores["score"] == 1.0 and b.scores["score"] == 2.0
     assert [g.id for g, _, _ in sel.removed] == [1]  # raw would have rejected a (K = 5 vs 2)
+    assert sel.metrics["pfs_coverage"] == 1.0  # both candidates had a PFS
+    c = group(2, [0] * 4, 4)  # no PFS yet: ranks with u = 1
+    sel = pace(b=1, target=1, kind="effective").select(PoolColumns.of([group(3, [0] * 4, 4, pfs=0.1), c]), step=5)
+    assert sel.metrics["pfs_coverage"] == 0.5 and c.scores["u"] == 1.0
 
 
 def test_pfs_candidates_are_the_groups_a_predicted_budget_can_reach():
