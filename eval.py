@@ -1,29 +1,48 @@
-"""mean@k of a model on a prompt set, sampled with vLLM and graded by math-verify.
+"""mean@k of a model on benchmark sets, sampled with vLLM and graded by math-verify.
 
-    python eval.py                                  # the tiny model on the arithmetic val split
-    python eval.py model.path=runs/.../ckpt rollout.temperature=0.6
+    python eval.py                                               # tiny model, arithmetic val split by level
+    python eval.py model.path=runs/<run>/best eval=math6         # Table 1's six benchmarks, mean@32 (hub)
+    python eval.py model.path=Qwen/Qwen3-8B eval=math6 eval.data_dir=../shared/benchmarks data.chat_template=true
 
-mean@k = the mean over problems of the fraction of k samples that are correct. For now this covers
-the tiny arithmetic sets; the six math benchmarks and in-training validation are issue #4.
+mean@k = mean over problems of the fraction of k samples that are correct (one request per problem
+with n = k); `avg` is the unweighted mean over benchmarks. Prompts use the training template
+(`data.template`, and the chat template when `data.chat_template`). Writes eval.json,
+results.md, results.csv and results.tex to the run directory.
 """
 from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pace.config import ConfigError, register, validate
 
 register()
 
+GRADE_ANSWERS = 64  # answers per grading job (whole problems; at least one problem's k)
 
-@hydra.main(config_path="conf", config_name="eval", version_base=None)
+
+def build_sets(cfg, tokenizer) -> dict:
+    from pace.evaluation import load_sets
+
+    sets = load_sets(list(cfg.eval.benchmarks), cfg.eval.data_dir, cfg.data.template,
+                     OmegaConf.to_object(cfg.data.arithmetic))
+    if cfg.data.chat_template:
+        wrap = lambda text: tokenizer.apply_chat_template(  # noqa: E731
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        sets = {name: [replace(p, text=wrap(p.text)) for p in ps] for name, ps in sets.items()}
+    return sets
+
+
+@hydra.main(config_path="conf", config_name="evaluate", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from train import UserError, load_prompts, resolve_device, resolve_model
+    from train import UserError, resolve_device, resolve_model
+
+    from pace.tasks.math import DataError
 
     try:
         validate(cfg)
@@ -34,35 +53,63 @@ def main(cfg: DictConfig) -> None:
         model_path = resolve_model(cfg, progress=True)
         from transformers import AutoTokenizer
 
-        prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(model_path))
-    except (UserError, ConfigError) as exc:
+        sets = build_sets(cfg, AutoTokenizer.from_pretrained(model_path))
+    except (UserError, ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
-    from tqdm import tqdm
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
+    from pace import evaluation
     from pace.reward import Grader
 
-    k = cfg.data.group_size
+    k = cfg.eval.k
+    params = SamplingParams(n=k, max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
+                            temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, seed=cfg.seed,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # one output per problem, all k samples
     llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
-    params = SamplingParams(n=k, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, seed=cfg.seed)
-    outputs = llm.generate([{"prompt": p.text} for p in prompts], params, use_tqdm=cfg.logger.progress)
-    per_level: dict[str, list[float]] = defaultdict(list)
-    with Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s) as grader:
-        for prompt, out in tqdm(list(zip(prompts, outputs)), desc="grading", disable=not cfg.logger.progress):
-            correct = grader.grade([c.text for c in out.outputs], [prompt.answer] * k)
-            score = sum(correct) / k
-            per_level["all"].append(score)
-            if "level" in prompt.meta:
-                per_level[f"level{prompt.meta['level']}"].append(score)
+    # Grading jobs hold ~GRADE_ANSWERS answers; reward.timeout_s is the deadline of a training
+    # group's G answers, so the job deadline scales with the job's size.
+    per_job = max(GRADE_ANSWERS, k)
+    timeout = cfg.reward.timeout_s * per_job / cfg.data.group_size
+    with Grader(workers=cfg.reward.workers, timeout_s=timeout) as grader:
+        results = evaluation.evaluate(llm.llm_engine, sets, params, grader, progress=cfg.logger.progress,
+                                      grade_answers=GRADE_ANSWERS)
+        grading = grader.stats()
     engine_lib.shutdown(llm)
-    result = {name: sum(v) / len(v) for name, v in sorted(per_level.items())}
-    out_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
-    (out_dir / "eval.json").write_text(json.dumps({"model": model_path, "k": k, f"mean@{k}": result}, indent=2))
-    for name, v in result.items():
-        print(f"{name:>8}  mean@{k} = {v:.3f}  ({len(per_level[name])} problems)")
+
+    scores = evaluation.summarize(results)
+    table = {str(cfg.model.path or "tiny"): scores}
+    out = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps({
+        "model": model_path, "k": k, f"mean@{k}": scores,
+        "problems": {name: len(r) for name, r in results.items()},
+        "correct": results, "grading": grading,
+    }, indent=1))
+    (out / "results.md").write_text(evaluation.markdown_table(table, k))
+    (out / "results.csv").write_text(evaluation.csv_table(table))
+    (out / "results.tex").write_text(evaluation.latex_table(table, k))
+    if cfg.logger.mode != "disabled":
+        _log_wandb(cfg, scores, table, k)
+    for name, value in scores.items():
+        n = f"({len(results[name])} problems)" if name in results else ""
+        print(f"{evaluation.title(name):>16}  mean@{k} = {100 * value:6.2f}%  {n}")
+    print(f"tables: {out}/results.md, results.csv, results.tex")
+
+
+def _log_wandb(cfg, scores: dict, table: dict, k: int) -> None:
+    from pace.logger import resolve_wandb_mode
+
+    import wandb
+
+    run = wandb.init(project=cfg.logger.project, mode=resolve_wandb_mode(cfg.logger.mode), job_type="eval",
+                     name=cfg.logger.name or cfg.exp_name, config=OmegaConf.to_container(cfg, resolve=True))
+    run.log({f"eval/{name}/mean@{k}": v for name, v in scores.items()})
+    header = ["method", *[n for n in scores if n != "avg"], "avg"]
+    run.log({"eval/table": wandb.Table(columns=header, data=[[m, *(s[n] for n in header[1:])] for m, s in table.items()])})
+    run.finish()
 
 
 if __name__ == "__main__":

@@ -128,6 +128,20 @@ class LoggerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """mean@k evaluation (`eval.py`, and in-training validation on the rollout engine)."""
+
+    benchmarks: list = field(default_factory=lambda: ["arithmetic"])  # names or sets (math6, arithmetic)
+    data_dir: Optional[str] = None  # local copies <name>.jsonl; null: the hub ids
+    k: int = 8  # samples per problem (the paper: mean@32)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: Optional[int] = None  # null: rollout.max_tokens
+    every: int = 0  # in-training validation every N steps (0: off)
+    best_within: Optional[int] = None  # best checkpoint among evaluations at step <= N (null: all)
+
+
+@dataclass
 class Config:
     exp_name: str = "default"
     device: str = "auto"  # auto | cpu | cuda
@@ -141,6 +155,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def register() -> None:
@@ -163,7 +178,7 @@ _CHOICES = {
 _POSITIVE = (
     "data.batch_prompts", "rollout.max_tokens", "rollout.max_inflight_groups", "rollout.sync_every",
     "rollout.max_model_len", "trainer.steps", "trainer.mini_batches", "trainer.micro_batch_size",
-    "reward.timeout_s", "reward.workers", "rollout.temperature", "trainer.lr",
+    "reward.timeout_s", "reward.workers", "rollout.temperature", "trainer.lr", "eval.k", "eval.temperature",
 )
 
 
@@ -181,8 +196,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.group_size={cfg.data.group_size}: group-normalised advantages need G >= 2")
     if not 0 <= cfg.rollout.overlong_buffer < cfg.rollout.max_tokens:
         raise ConfigError("rollout.overlong_buffer must be >= 0 and < rollout.max_tokens")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    for key in ("rollout.top_p", "eval.top_p"):
+        if not 0 < OmegaConf.select(cfg, key) <= 1:
+            raise ConfigError(f"{key} must be in (0, 1], got {OmegaConf.select(cfg, key)}")
+    if cfg.eval.every < 0:
+        raise ConfigError(f"eval.every must be >= 0 (0: no in-training validation), got {cfg.eval.every}")
     if cfg.trainer.mini_batches > cfg.data.batch_prompts:
         raise ConfigError("trainer.mini_batches must be <= data.batch_prompts (mini-batches split groups)")
     if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:

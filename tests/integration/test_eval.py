@@ -1,4 +1,4 @@
-"""eval.py on the tiny model: mean@k per level and overall, written to eval.json."""
+"""eval.py on the tiny model: mean@k per arithmetic level and their average, in eval.json and tables."""
 from __future__ import annotations
 
 import json
@@ -7,20 +7,36 @@ import sys
 
 import pytest
 
+from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
+from pace.reward import is_correct
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
 
 
-def test_eval_writes_mean_at_k(tiny_model_path, tmp_path):
-    cmd = [sys.executable, str(ROOT / "eval.py"), "data.arithmetic.n_val=8", "data.group_size=3",
+def test_eval_writes_mean_at_k_and_the_tables(tiny_model_path, tmp_path):
+    cmd = [sys.executable, str(ROOT / "eval.py"), "data.arithmetic.n_val=8", "eval.k=3",
            "logger.progress=false", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "eval.json").read_text())
-    scores = result["mean@3"]
-    assert set(scores) == {"all", "level1", "level2", "level3", "level4"}
-    # 8 problems × 3 samples: every score is a multiple of 1/3 per problem, averaged over its problems
-    assert all(0.0 <= v <= 1.0 for v in scores.values())
-    assert abs(scores["all"] * 8 * 3 - round(scores["all"] * 8 * 3)) < 1e-9
-    assert scores["all"] == pytest.approx(sum(scores[f"level{i}"] for i in range(1, 5)) / 4)
+    scores, correct = result["mean@3"], result["correct"]
+    assert set(scores) == {"arith_l1", "arith_l2", "arith_l3", "arith_l4", "avg"}
+    # hand count: 8 val problems round-robin over 4 levels → 2 per level, 3 graded samples each
+    for level in range(1, 5):
+        rows = correct[f"arith_l{level}"]
+        assert len(rows) == 2 and all(len(r) == 3 for r in rows)
+        assert scores[f"arith_l{level}"] == pytest.approx(sum(sum(r) / 3 for r in rows) / 2)
+    assert scores["avg"] == pytest.approx(sum(scores[f"arith_l{i}"] for i in range(1, 5)) / 4)
+    md = (tmp_path / "results.md").read_text()
+    assert "| method | Arith L1 | Arith L2 | Arith L3 | Arith L4 | Avg. |" in md
+    assert f"{100 * scores['avg']:.2f}" in md
+    assert (tmp_path / "results.csv").read_text().splitlines()[0] == "method,Arith L1,Arith L2,Arith L3,Arith L4,Avg."
+    assert r"\begin{tabular}{lccccc}" in (tmp_path / "results.tex").read_text()
+
+
+def test_eval_fails_in_one_line_on_an_unknown_benchmark(tmp_path):
+    cmd = [sys.executable, str(ROOT / "eval.py"), "eval.benchmarks=[aime_1999]", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "unknown benchmark 'aime_1999'" in proc.stderr and "Traceback" not in proc.stderr
