@@ -135,3 +135,10 @@ def test_validate_accepts_async_with_sync_every_2() -> None:
 
 def test_config_error_is_a_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
+
+
+def test_paper_presets_evaluate_on_math6_and_tiny_on_arithmetic() -> None:
+    for preset in ("pace_qwen3_8b", "async_qwen3_4b", "sync_qwen3_30b_a3b"):
+        cfg = compose_cfg([f"+exp={preset}"])
+        assert list(cfg.eval.benchmarks) == ["math6"] and cfg.eval.k == 32  # paper: mean@32
+    assert list(compose_cfg(["+exp=pace_tiny"]).eval.benchmarks) == ["arithmetic"]
