@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -32,9 +31,9 @@ def build_sets(cfg, tokenizer) -> dict:
     sets = load_sets(list(cfg.eval.benchmarks), cfg.eval.data_dir, cfg.data.template,
                      OmegaConf.to_object(cfg.data.arithmetic))
     if cfg.data.chat_template:
-        wrap = lambda text: tokenizer.apply_chat_template(  # noqa: E731
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        sets = {name: [replace(p, text=wrap(p.text)) for p in ps] for name, ps in sets.items()}
+        from train import with_chat_template
+
+        sets = {name: with_chat_template(ps, tokenizer) for name, ps in sets.items()}
     return sets
 
 

@@ -9,7 +9,6 @@ Data flow (DESIGN §5): rollout thread (vLLM) → grading → pool → [main thr
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -72,14 +71,17 @@ def load_prompts(cfg, tokenizer):
             prompts = load_math_prompts(cfg.data.path, cfg.data.split, cfg.data.template)
         except DataError as exc:
             raise UserError(f"data.path: {exc}") from exc
-    if cfg.data.chat_template:
-        from dataclasses import replace
+    return with_chat_template(prompts, tokenizer) if cfg.data.chat_template else prompts
 
-        wrap = lambda text: tokenizer.apply_chat_template(  # noqa: E731
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        prompts = [replace(p, text=wrap(p.text)) for p in prompts]
-    return prompts
+
+def with_chat_template(prompts, tokenizer):
+    """Prompts wrapped as one user turn of the tokenizer's chat template (`data.chat_template`)."""
+    from dataclasses import replace
+
+    wrap = lambda text: tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return [replace(p, text=wrap(p.text)) for p in prompts]
 
 
 def default_group(cfg) -> str | None:

@@ -7,8 +7,6 @@ import sys
 
 import pytest
 
-from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
-from pace.reward import is_correct
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
