@@ -25,18 +25,6 @@ register()
 GRADE_ANSWERS = 64  # answers per grading job (whole problems; at least one problem's k)
 
 
-def build_sets(cfg, tokenizer) -> dict:
-    from pace.evaluation import load_sets
-
-    sets = load_sets(list(cfg.eval.benchmarks), cfg.eval.data_dir, cfg.data.template,
-                     OmegaConf.to_object(cfg.data.arithmetic))
-    if cfg.data.chat_template:
-        from train import with_chat_template
-
-        sets = {name: with_chat_template(ps, tokenizer) for name, ps in sets.items()}
-    return sets
-
-
 @hydra.main(config_path="conf", config_name="evaluate", version_base=None)
 def main(cfg: DictConfig) -> None:
     from train import UserError, resolve_device, resolve_model
@@ -52,29 +40,25 @@ def main(cfg: DictConfig) -> None:
         model_path = resolve_model(cfg, progress=True)
         from transformers import AutoTokenizer
 
-        sets = build_sets(cfg, AutoTokenizer.from_pretrained(model_path))
+        from pace.evaluation import sets_from_config
+
+        sets = sets_from_config(cfg, AutoTokenizer.from_pretrained(model_path))
     except (UserError, ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
 
     from pace import evaluation
     from pace.reward import Grader
 
     k = cfg.eval.k
-    params = SamplingParams(n=k, max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
-                            temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, seed=cfg.seed,
-                            output_kind=RequestOutputKind.FINAL_ONLY)  # one output per problem, all k samples
+    params = evaluation.sampling_params(cfg, seeded=device == "cuda")
     llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
     # Grading jobs hold ~GRADE_ANSWERS answers; reward.timeout_s is the deadline of a training
-    # group's G answers, so the job deadline scales with the job's size.
-    per_job = max(GRADE_ANSWERS, k)
-    timeout = cfg.reward.timeout_s * per_job / cfg.data.group_size
-    with Grader(workers=cfg.reward.workers, timeout_s=timeout) as grader:
+    # group's G answers, so each job's deadline is that per answer times the job's size.
+    with Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s) as grader:
         results = evaluation.evaluate(llm.llm_engine, sets, params, grader, progress=cfg.logger.progress,
-                                      grade_answers=GRADE_ANSWERS)
+                                      grade_answers=GRADE_ANSWERS,
+                                      answer_timeout_s=cfg.reward.timeout_s / cfg.data.group_size)
         grading = grader.stats()
     engine_lib.shutdown(llm)
 

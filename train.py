@@ -71,17 +71,11 @@ def load_prompts(cfg, tokenizer):
             prompts = load_math_prompts(cfg.data.path, cfg.data.split, cfg.data.template)
         except DataError as exc:
             raise UserError(f"data.path: {exc}") from exc
-    return with_chat_template(prompts, tokenizer) if cfg.data.chat_template else prompts
+    if cfg.data.chat_template:
+        from pace.tasks.base import with_chat_template
 
-
-def with_chat_template(prompts, tokenizer):
-    """Prompts wrapped as one user turn of the tokenizer's chat template (`data.chat_template`)."""
-    from dataclasses import replace
-
-    wrap = lambda text: tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
-    return [replace(p, text=wrap(p.text)) for p in prompts]
+        prompts = with_chat_template(prompts, tokenizer)
+    return prompts
 
 
 def default_group(cfg) -> str | None:
@@ -142,6 +136,47 @@ def wait_for_batch(pool, rollout, step: int):
             return batch
 
 
+class Validations:
+    """Finished in-training validations: each is offered to the best checkpoint on arrival and
+    logged in the next step's row (one per row, so a wandb step never holds two)."""
+
+    def __init__(self, rollout, best, cfg):
+        self.rollout, self.best, self.k = rollout, best, cfg.eval.k
+        self.final_version = cfg.trainer.steps
+        self._rows: list[dict] = []
+
+    def poll(self) -> None:
+        from pace.validation import val_metrics
+
+        for result in self.rollout.drain_validations():
+            metrics = val_metrics(result, self.k)
+            metrics["val/best"] = float(self.best.offer(result, metrics["val/avg"]))
+            self._rows.append(metrics)
+            tqdm_write(f"validation of θ_{result.version}: avg mean@{self.k} = {metrics['val/avg']:.3f}"
+                       f" in {result.seconds:.1f} s{' (best so far)' if metrics['val/best'] else ''}")
+
+    def next_row(self) -> dict:
+        self.poll()
+        return self._rows.pop(0) if self._rows else {}
+
+    def finish(self, logger, step: int) -> None:
+        """Wait for θ_steps's validation (the rollout starts no groups once training is done) and
+        log what is left, one row per validation from step ``step`` on."""
+        while not any(v["version"] == self.final_version for v in self.best.history):
+            self.rollout.check()
+            time.sleep(0.05)
+            self.poll()
+        for i, row in enumerate(self._rows):
+            logger.log(step + i, row)
+        self._rows.clear()
+
+
+def tqdm_write(msg: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -187,7 +222,7 @@ def run(cfg: DictConfig) -> None:
 
     trainer = DAPOTrainer(model_path, cfg, accelerator)
 
-    rollout = pool = logger = llm = grader = None
+    rollout = pool = logger = llm = grader = best = validations = None
     if main_rank:
         from pace.algo.advantages import is_informative
         from pace.logger import RunLogger
@@ -201,7 +236,16 @@ def run(cfg: DictConfig) -> None:
         pool = Pool(build_policy(cfg), informative=lambda g: is_informative([metric(t) for t in g.trajectories]))
         grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
         llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
-        rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg)
+        val_sets = best = None
+        if cfg.eval.every > 0:  # in-training validation on the rollout engine
+            from pace.evaluation import sets_from_config
+            from pace.validation import BestCheckpoint
+
+            val_sets = sets_from_config(cfg, tokenizer)
+            best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
+        rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
+        if best is not None:
+            validations = Validations(rollout, best, cfg)
         logger = RunLogger(cfg, run_dir, OmegaConf.to_container(cfg, resolve=True), group=default_group(cfg))
         print(f"run directory: {run_dir}", file=sys.stderr)
         rollout.start()
@@ -224,13 +268,15 @@ def run(cfg: DictConfig) -> None:
                 rollout.set_trainer_version(trainer.version)  # θ_{step+1} exists from here on
 
             t_sync = time.perf_counter()
-            if trainer.version % cfg.rollout.sync_every == 0:
+            if trainer.version % cfg.rollout.sync_every == 0 or trainer.version == cfg.trainer.steps:
                 weights = trainer.full_state_dict()  # collective under FSDP: every rank calls it
                 if main_rank:
                     rollout.post_weights(trainer.version, weights)
             metrics["time/sync"] = time.perf_counter() - t_sync
 
             if main_rank:
+                if validations is not None:
+                    metrics.update(validations.next_row())
                 decided = pool.drain_decided()
                 metrics.update(step_metrics(batch, pool, decided, t_wait))
                 metrics["time/step"] = time.perf_counter() - t_step
@@ -244,6 +290,8 @@ def run(cfg: DictConfig) -> None:
                     K=f"{metrics['staleness/k_mean']:.2f}",
                     wait=f"{t_wait:.1f}s",
                 )
+        if validations is not None:  # the final weights' validation, logged after the last step
+            validations.finish(logger, cfg.trainer.steps)
     except KeyboardInterrupt:
         status = "interrupted"
         print("\ninterrupted: stopping the rollout and shutting the engine down", file=sys.stderr)
@@ -257,6 +305,8 @@ def run(cfg: DictConfig) -> None:
             grader.close()
             counts = pool.counts()
             summary = {"status": status, "steps": trainer.version, "fates": counts, "rollout": dict(rollout.stats)}
+            if best is not None:
+                summary.update(best.summary())
             logger.log_groups(pool.drain_decided(), step=-1)
             logger.close(pool.remaining(), summary)
             engine_lib.shutdown(llm)

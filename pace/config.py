@@ -137,8 +137,9 @@ class EvalConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: Optional[int] = None  # null: rollout.max_tokens
-    every: int = 0  # in-training validation every N steps (0: off)
-    best_within: Optional[int] = None  # best checkpoint among evaluations at step <= N (null: all)
+    every: int = 0  # in-training validation every N steps on the rollout engine (0: off)
+    at_start: bool = True  # also validate θ_0 (before any update) when every > 0
+    best_within: Optional[int] = None  # best checkpoint among validations of versions <= N (null: all)
 
 
 @dataclass
@@ -201,6 +202,10 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be in (0, 1], got {OmegaConf.select(cfg, key)}")
     if cfg.eval.every < 0:
         raise ConfigError(f"eval.every must be >= 0 (0: no in-training validation), got {cfg.eval.every}")
+    if cfg.eval.every > 0 and not cfg.eval.benchmarks:
+        raise ConfigError("eval.every > 0 needs eval.benchmarks (the validation sets)")
+    if cfg.eval.best_within is not None and cfg.eval.best_within < 0:
+        raise ConfigError(f"eval.best_within must be >= 0 or null, got {cfg.eval.best_within}")
     if cfg.trainer.mini_batches > cfg.data.batch_prompts:
         raise ConfigError("trainer.mini_batches must be <= data.batch_prompts (mini-batches split groups)")
     if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:

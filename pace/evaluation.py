@@ -2,10 +2,10 @@
 
     mean@k of a benchmark = mean over its problems of (correct samples / k)
 
-`evaluate` submits one request per problem with ``n = k`` to an engine it steps itself, hands each
-finished problem's k responses to the grader while generation goes on, and shows a progress bar
-with the running accuracy. The same function serves `eval.py` (its own engine) and, later,
-in-training validation (the rollout engine). The table writers are pure.
+`EvalRun` submits one request per problem with ``n = k`` to an engine, hands each finished
+problem's k responses to the grader while generation goes on, and shows a progress bar with the
+running accuracy. `evaluate` steps an engine of its own (eval.py); the rollout thread steps
+the same `EvalRun` between rollout work for in-training validation. The table writers are pure.
 """
 from __future__ import annotations
 
@@ -57,67 +57,143 @@ def title(name: str) -> str:
     return name
 
 
-def evaluate(engine, sets: dict[str, list[Prompt]], params, grader, progress: bool = True,
-             request_prefix: str = "eval", priority: int = 0, grade_answers: int = 64) -> dict[str, list[list[bool]]]:
-    """Per benchmark, per problem, the k graded samples (``params.n = k``).
+def sets_from_config(cfg, tokenizer) -> dict[str, list[Prompt]]:
+    """`eval.benchmarks` as prompt lists, with the training template (and chat template)."""
+    from omegaconf import OmegaConf
 
-    ``engine`` is a vLLM ``LLMEngine`` with nothing else running (eval.py) — the loop steps it
-    until these requests are done. ``params`` must use ``RequestOutputKind.FINAL_ONLY`` so each
-    problem's output arrives once, with its k samples. Finished problems are graded, overlapping
-    generation, in jobs of about ``grade_answers`` answers (whole problems): one job per problem
-    cost the engine loop ~15% on 2 cores in round trips to the grading processes. The grader's
-    per-job deadline must allow for that many answers (see eval.py).
+    from pace.tasks.base import with_chat_template
+
+    sets = load_sets(list(cfg.eval.benchmarks), cfg.eval.data_dir, cfg.data.template,
+                     OmegaConf.to_object(cfg.data.arithmetic))
+    if cfg.data.chat_template:
+        sets = {name: with_chat_template(ps, tokenizer) for name, ps in sets.items()}
+    return sets
+
+
+def sampling_params(cfg, seeded: bool = True):
+    """``n = eval.k`` samples per problem, returned once per problem with all k (FINAL_ONLY).
+
+    ``seeded``: a per-request seed (``seed``), for eval.py on a GPU engine of its own. vLLM's CPU
+    build fails on seeded requests whenever a step also holds a partially prefilled one ("CPU
+    Generator does not use offset"); there, and on the rollout engine, sampling is unseeded and
+    reproducible through the engine's seed (`LLM(seed=...)`) and the request order instead.
     """
-    from tqdm import tqdm
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    requests: dict[str, tuple[str, int]] = {}
-    for name, prompts in sets.items():
-        for i, p in enumerate(prompts):
-            rid = f"{request_prefix}-{name}-{i}"
-            requests[rid] = (name, i)
-            engine.add_request(rid, {"prompt": p.text}, params, priority=priority)
-    results: dict[str, list[list[bool] | None]] = {name: [None] * len(ps) for name, ps in sets.items()}
-    buffer: list[tuple[str, int, list[str]]] = []  # finished, not yet submitted for grading
-    jobs: list[tuple[list[tuple[str, int, int]], object]] = []  # ((name, i, n samples) per problem, job)
-    right = total = 0
-    bar = tqdm(total=len(requests), desc="eval", unit="problem", disable=not progress)
+    return SamplingParams(n=cfg.eval.k, max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
+                          temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+                          seed=cfg.seed if seeded else None, output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def submit() -> None:
-        if buffer:
-            keys = [(name, i, len(texts)) for name, i, texts in buffer]
-            texts = [t for _, _, ts in buffer for t in ts]
-            golds = [sets[name][i].answer for name, i, ts in buffer for _ in ts]
-            jobs.append((keys, grader.submit(texts, golds)))
-            buffer.clear()
 
-    def collect(block: bool) -> None:
-        nonlocal right, total
-        while jobs and (block or jobs[0][1].done()):
-            keys, job = jobs.pop(0)
+class EvalRun:
+    """One evaluation's requests on an engine stepped by someone else (eval.py's loop, or the
+    rollout thread during in-training validation).
+
+    ``submit`` adds one request per problem (``params.n = k``, FINAL_ONLY) with ids
+    ``<prefix>-<set>-<i>``; the stepper hands every finished output whose id ``owns`` to
+    ``on_output`` and calls ``poll`` between steps. Finished problems are graded, overlapping
+    generation, in jobs of about ``grade_answers`` answers (whole problems): one job per problem
+    cost the engine loop ~15% on 2 cores in round trips to the grading processes. Each job's
+    deadline is ``answer_timeout_s`` per answer (the training grader's is per group of G).
+    """
+
+    def __init__(self, sets: dict[str, list[Prompt]], params, grader, prefix: str = "eval",
+                 grade_answers: int = 64, answer_timeout_s: float | None = None, progress: bool = False):
+        self.sets, self.params, self.grader, self.prefix = sets, params, grader, prefix
+        self.grade_answers = grade_answers
+        self.answer_timeout_s = answer_timeout_s
+        self.results: dict[str, list[list[bool] | None]] = {name: [None] * len(ps) for name, ps in sets.items()}
+        self._requests: dict[str, tuple[str, int]] = {}
+        self._buffer: list[tuple[str, int, list[str]]] = []  # finished, not yet submitted for grading
+        self._jobs: list[tuple[list[tuple[str, int, int]], object]] = []  # ((set, i, n) per problem, job)
+        self._received = self._graded = 0
+        self._right = self._total = 0
+        self.lengths: list[int] = []  # response lengths in tokens, every sample
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=sum(len(ps) for ps in sets.values()), desc="eval", unit="problem",
+                         disable=not progress, dynamic_ncols=True)
+
+    @property
+    def num_problems(self) -> int:
+        return sum(len(ps) for ps in self.sets.values())
+
+    def submit(self, engine, priority: int = 0, salt: str | None = None) -> None:
+        """Add every problem's request; ``salt`` keys the prefix cache (the weight version)."""
+        for name, prompts in self.sets.items():
+            for i, p in enumerate(prompts):
+                rid = f"{self.prefix}-{name}-{i}"
+                self._requests[rid] = (name, i)
+                prompt = {"prompt": p.text} if salt is None else {"prompt": p.text, "cache_salt": salt}
+                engine.add_request(rid, prompt, self.params, priority=priority)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def on_output(self, out) -> None:
+        if not out.finished:
+            return
+        name, i = self._requests[out.request_id]
+        texts = [c.text for c in out.outputs]
+        if len(texts) != self.params.n:
+            raise RuntimeError(f"{out.request_id}: {len(texts)} samples, expected n = {self.params.n}")
+        self.lengths.extend(len(c.token_ids) for c in out.outputs)
+        self._buffer.append((name, i, texts))
+        self._received += 1
+
+    def poll(self, block: bool = False) -> bool:
+        """Hand full grading jobs (all remaining once every problem is in) to the grader and take
+        finished ones; ``block`` waits for all submitted jobs. True when every problem is graded."""
+        pending = sum(len(ts) for _, _, ts in self._buffer)
+        if pending and (pending >= self.grade_answers or self._received == self.num_problems):
+            self._submit_grading()
+        while self._jobs and (block or self._jobs[0][1].done()):
+            keys, job = self._jobs.pop(0)
             scores = job.result()
             at = 0
             for name, i, n in keys:
-                results[name][i] = scores[at : at + n]
+                self.results[name][i] = scores[at : at + n]
                 at += n
-            right, total = right + sum(scores), total + len(scores)
-            bar.update(len(keys))
-            bar.set_postfix(acc=f"{right / max(total, 1):.3f}")
+            self._graded += len(keys)
+            self._right, self._total = self._right + sum(scores), self._total + len(scores)
+            self._bar.update(len(keys))
+            self._bar.set_postfix(acc=f"{self._right / max(self._total, 1):.3f}")
+        if self.done:
+            self._bar.close()
+        return self.done
 
+    @property
+    def done(self) -> bool:
+        return self._graded == self.num_problems
+
+    def _submit_grading(self) -> None:
+        keys = [(name, i, len(texts)) for name, i, texts in self._buffer]
+        texts = [t for _, _, ts in self._buffer for t in ts]
+        golds = [self.sets[name][i].answer for name, i, ts in self._buffer for _ in ts]
+        timeout = None if self.answer_timeout_s is None else self.answer_timeout_s * len(texts)
+        self._jobs.append((keys, self.grader.submit(texts, golds, timeout_s=timeout)))
+        self._buffer.clear()
+
+
+def evaluate(engine, sets: dict[str, list[Prompt]], params, grader, progress: bool = True,
+             request_prefix: str = "eval", priority: int = 0, grade_answers: int = 64,
+             answer_timeout_s: float | None = None) -> dict[str, list[list[bool]]]:
+    """Per benchmark, per problem, the k graded samples (``params.n = k``), on an engine
+    (a vLLM ``LLMEngine``) with nothing else running: this loop steps it until they are done."""
+    run = EvalRun(sets, params, grader, request_prefix, grade_answers, answer_timeout_s, progress)
+    run.submit(engine, priority)
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished and out.request_id in requests:
-                name, i = requests[out.request_id]
-                texts = [c.text for c in out.outputs]
-                if len(texts) != params.n:
-                    raise RuntimeError(f"{out.request_id}: {len(texts)} samples, expected n = {params.n}")
-                buffer.append((name, i, texts))
-        if sum(len(ts) for _, _, ts in buffer) >= grade_answers:
-            submit()
-        collect(block=False)
-    submit()
-    collect(block=True)
-    bar.close()
-    return results  # type: ignore[return-value]
+            if run.owns(out.request_id):
+                run.on_output(out)
+        run.poll()
+    run.poll(block=True)
+    return run.results  # type: ignore[return-value]
 
 
 def summarize(results: dict[str, list[list[bool]]]) -> dict[str, float]:

@@ -285,9 +285,10 @@ def _kill(executor: ProcessPoolExecutor) -> None:
 class GradeJob:
     """Handle on one submitted batch. ``done`` never blocks (the rollout thread polls it)."""
 
-    def __init__(self, responses: list[str], golds: list[str]):
+    def __init__(self, responses: list[str], golds: list[str], timeout_s: float):
         self.responses = responses
         self.golds = golds
+        self.timeout_s = timeout_s  # deadline once a worker starts it
         self._scores: list[bool] | None = None
         self._event = threading.Event()
 
@@ -299,7 +300,7 @@ class GradeJob:
 
     def result(self, timeout: float | None = None) -> list[bool]:
         """The scores, one per response. Raises ``TimeoutError`` only if *this wait* times out;
-        the job itself always finishes within about ``Grader.timeout_s`` of starting."""
+        the job itself always finishes within about its ``timeout_s`` of starting."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"GradeJob not finished after {timeout} s")
         assert self._scores is not None
@@ -383,11 +384,14 @@ class Grader:
 
     # ------------------------------------------------------------ public API
 
-    def submit(self, responses: list[str], golds: list[str]) -> GradeJob:
-        """Queue one batch; it runs as a single task in one worker."""
+    def submit(self, responses: list[str], golds: list[str], timeout_s: float | None = None) -> GradeJob:
+        """Queue one batch; it runs as a single task in one worker, with deadline ``timeout_s``
+        (default: the grader's) from the moment a worker starts it."""
         if len(responses) != len(golds):
             raise ValueError(f"Grader.submit: {len(responses)} responses but {len(golds)} golds")
-        job = GradeJob(list(responses), list(golds))
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"Grader.submit: timeout_s must be > 0, got {timeout_s}")
+        job = GradeJob(list(responses), list(golds), timeout_s or self.timeout_s)
         if not job.responses:
             job._finish([])
             return job
@@ -470,7 +474,7 @@ class Grader:
             return
         if slot.future.done():
             self._collect(slot)
-        elif now - slot.started > self.timeout_s:
+        elif now - slot.started > slot.job.timeout_s:
             self._fail(slot.job, "reward/timeouts")
             self._restart(slot)
 
@@ -537,7 +541,7 @@ class Grader:
 
     def _next_wait(self, now: float) -> float:
         """Sleep until the nearest deadline (callbacks and submit wake us earlier)."""
-        deadlines = [s.started + self.timeout_s for s in self._slots if s.job is not None]
+        deadlines = [s.started + s.job.timeout_s for s in self._slots if s.job is not None]
         deadlines += [s.started + WARMUP_TIMEOUT_S for s in self._slots if not s.ready and not s.dead]
         if not deadlines:
             return 1.0

@@ -9,6 +9,7 @@ Runs `train.py +exp=<preset>` for each preset one after the other with identical
 their metrics.jsonl and prints mean seconds per step (after `--warmup` steps) by phase (generation
 = engine step time, waiting for data, training, weight sync, rescoring), mean staleness, pool
 occupancy (and its course over the run), and each preset's per-step wall-time ratio to the first.
+In-training validation is off (`eval.every=0`) unless an override sets `eval.every`.
 """
 from __future__ import annotations
 
@@ -28,13 +29,15 @@ EXTRA = ["staleness/k_mean", "staleness/k_wait_mean", "staleness/k_gen_mean", "p
 
 def run(preset: str, steps: int, overrides: list[str], run_dir: Path) -> tuple[list[dict], float]:
     cmd = [sys.executable, str(ROOT / "train.py"), f"+exp={preset}", f"trainer.steps={steps}",
-           "logger.mode=disabled", "logger.progress=false", f"hydra.run.dir={run_dir}", *overrides]
+           "logger.mode=disabled", "logger.progress=false", f"hydra.run.dir={run_dir}",
+           *(["eval.every=0"] if not any(o.startswith("eval.every=") for o in overrides) else []), *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.exit(f"{preset} failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()], wall
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "train/loss" in r], wall  # training steps (not rows of final validations)
 
 
 def mean(rows: list[dict], key: str) -> float:

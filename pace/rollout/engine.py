@@ -43,8 +43,9 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int):
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
         enforce_eager=rollout_cfg.enforce_eager,
         enable_prefix_caching=True,
-        # PACE's prefix-rescoring requests (priority SCORING_PRIORITY) are scheduled ahead of
-        # waiting generation requests; generation requests all share priority 0 (FCFS among them).
+        # Validation (VALIDATION_PRIORITY) and PACE's prefix-rescoring requests (SCORING_PRIORITY)
+        # are scheduled ahead of waiting generation requests; generation requests all share
+        # priority 0 (FCFS among them).
         scheduling_policy="priority",
         # Tokens returned by a step must come from the weights loaded before that step, so that
         # v_t is exact: no batch may be in flight across a weight update.
@@ -78,6 +79,7 @@ def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None
 
 
 SCORING_PRIORITY = -1  # lower runs first (vLLM priority scheduling); generation uses 0
+VALIDATION_PRIORITY = -2  # in-training validation holds weight updates: it goes first
 
 
 def cache_salt(version: int) -> str:

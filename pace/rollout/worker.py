@@ -6,11 +6,15 @@ Loop, one engine step at a time:
     step the engine; append each new token with v_t = the engine's loaded version and ℓ^μ_t
     a response that finishes gets c(τ) = the trainer's version at that moment
     a group whose G responses are done is graded (process pool, non-blocking) and then pooled
+    in-training validation (`eval.every`): right after loading θ_v for a due v, submit the
+    validation set (one n = k request per problem, ahead of rollout work) and hold further weight
+    updates until it is graded, so every validation sample comes from θ_v exactly
 
 An exception here is stored in `error` and the trainer re-raises it within one poll interval.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import traceback
@@ -45,8 +49,19 @@ class _Rescore:
     distances: dict[int, float] = field(default_factory=dict)
 
 
+@dataclass
+class Validation:
+    """mean@k of θ_version on the validation sets, handed to the trainer thread."""
+
+    version: int
+    results: dict[str, list[list[bool]]]  # per set, per problem, the k grades
+    seconds: float  # submission to last grade; weight updates were held meanwhile
+    response_len: float  # mean over all samples, tokens
+    weights: list | None  # θ_version as (name, tensor); None for version 0 (the model on disk)
+
+
 class RolloutWorker(threading.Thread):
-    def __init__(self, llm, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg):
+    def __init__(self, llm, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg, val_sets: dict | None = None):
         super().__init__(name="rollout", daemon=True)
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -86,6 +101,13 @@ class RolloutWorker(threading.Thread):
         self._rescoring: dict[int, _Rescore] = {}
         self._rescore_started: float | None = None
         self._last = (time.perf_counter(), dict(self.stats))  # (time, stats) at the last metrics() call
+        # In-training validation: θ_v is validated for v = 0 (`eval.at_start`), the first loaded
+        # version at or past each multiple of `eval.every`, and the final version (trainer.steps).
+        self.val_sets = val_sets if cfg.eval.every > 0 else None
+        self.final_version = cfg.trainer.steps
+        self.validations: queue.Queue[Validation] = queue.Queue()
+        self._val_next = 0 if cfg.eval.at_start else cfg.eval.every
+        self._val = None  # (EvalRun, version, weights, start time) while one runs
 
     # --- called from the trainer thread -----------------------------------------------------
     def post_weights(self, version: int, named_tensors: list) -> None:
@@ -140,6 +162,7 @@ class RolloutWorker(threading.Thread):
                 import torch
 
                 torch._C.set_num_threads(self.cpu_threads)
+            self._maybe_validate(None)  # θ_0, when `eval.at_start`
             while not self._stopping.is_set():
                 busy = self._apply_update()
                 busy |= self._admit()
@@ -150,6 +173,7 @@ class RolloutWorker(threading.Thread):
                     self._consume(outputs)
                     busy = True
                 busy |= self._collect_grades()
+                busy |= self._poll_validation()
                 if not busy:
                     self._wake.wait(0.01)
                     self._wake.clear()
@@ -160,6 +184,8 @@ class RolloutWorker(threading.Thread):
             self._abort_all()
 
     def _apply_update(self) -> bool:
+        if self._val is not None:
+            return False  # held: the validation in progress must see only its own weights
         with self._update_lock:
             update, self._update = self._update, None
         if update is None:
@@ -172,7 +198,46 @@ class RolloutWorker(threading.Thread):
         self.engine_version = version
         if self.prefix_tokens:
             self._start_rescoring()
+        self._maybe_validate(weights)
         return True
+
+    # --- in-training validation -----------------------------------------------------------
+    def _maybe_validate(self, weights: list | None) -> None:
+        v = self.engine_version
+        if self.val_sets is None or not (v >= self._val_next or v == self.final_version):
+            return
+        from pace import evaluation
+
+        every = self.cfg.eval.every
+        self._val_next = (v // every + 1) * every
+        run = evaluation.EvalRun(self.val_sets, evaluation.sampling_params(self.cfg, seeded=False), self.grader,
+                                 prefix=f"v{v}", answer_timeout_s=self.cfg.reward.timeout_s / self.group_size)
+        run.submit(self.engine, priority=engine_lib.VALIDATION_PRIORITY, salt=engine_lib.cache_salt(v))
+        self._val = (run, v, weights, time.perf_counter())
+
+    def _poll_validation(self) -> bool:
+        if self._val is None:
+            return False
+        run, version, weights, t0 = self._val
+        if not run.poll():
+            return False
+        self._val = None
+        if self.engine_version != version:  # the hold in _apply_update guarantees this
+            raise RuntimeError(f"validation of θ_{version} ran into a weight update (engine at θ_{self.engine_version})")
+        results: dict = run.results
+        response_len = sum(run.lengths) / max(len(run.lengths), 1)
+        self.validations.put(Validation(version, results, time.perf_counter() - t0, response_len, weights))
+        self._wake.set()
+        return True
+
+    def drain_validations(self) -> list[Validation]:
+        """Validations finished since the last call (trainer thread)."""
+        out = []
+        while True:
+            try:
+                out.append(self.validations.get_nowait())
+            except queue.Empty:
+                return out
 
     def _start_rescoring(self) -> None:
         """Score the pooled groups whose PFS could change the next rejections (`Pool.to_rescore`) and
@@ -231,6 +296,8 @@ class RolloutWorker(threading.Thread):
 
     def _admit(self) -> bool:
         started = False
+        if self.trainer_version >= self.final_version:
+            return False  # training is over; only the final validation may still run
         while self.pool.admits(self.engine_version, self.trainer_version):
             prompt = self.sampler.next()
             group = Group(
@@ -255,6 +322,9 @@ class RolloutWorker(threading.Thread):
             if out.request_id[0] == "s":
                 if out.finished:
                     self._consume_score(out)
+                continue
+            if out.request_id[0] == "v":
+                self._val[0].on_output(out)
                 continue
             gid, idx = out.request_id[1:].split("-")
             pending = self._pending[int(gid)]
@@ -306,6 +376,8 @@ class RolloutWorker(threading.Thread):
     def _abort_all(self) -> None:
         ids = [f"g{gid}-{i}" for gid in self._pending for i in range(self.group_size)]
         ids += [f"s{gid}-{i}" for gid, job in self._rescoring.items() for i in range(len(job.group.trajectories))]
+        if self._val is not None:
+            ids += self._val[0].request_ids
         try:
             if ids:
                 self.engine.abort_request(ids)

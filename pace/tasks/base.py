@@ -19,6 +19,16 @@ class Prompt:
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
 
+def with_chat_template(prompts: list[Prompt], tokenizer) -> list[Prompt]:
+    """Prompts wrapped as one user turn of the tokenizer's chat template (`data.chat_template`)."""
+    from dataclasses import replace
+
+    wrap = lambda text: tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return [replace(p, text=wrap(p.text)) for p in prompts]
+
+
 class PromptSampler:
     """Epoch-shuffled, endless walk over a prompt list. Its state is two ints (checkpointable)."""
 

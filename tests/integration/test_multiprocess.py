@@ -32,10 +32,13 @@ def test_loss_and_gradient_do_not_depend_on_world_size(tiny_model_path):
 
 def test_two_process_train_run(tiny_model_path, tmp_path):
     cmd = [*LAUNCH, "--num_processes", "2", str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=3", "data.batch_prompts=8", "rollout.max_inflight_groups=16",
-           "logger.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path}"]
+           "eval.every=2", "data.arithmetic.n_val=40", "logger.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [0, 1, 2]
+    # rank 0 validates on its rollout engine (θ_0, θ_2 and the final θ_3) while both ranks train
+    assert [m["val/version"] for m in metrics if "val/avg" in m] == [0, 2, 3]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rollout"]["syncs"] >= 2
+    assert summary["best"]["version"] in (0, 2, 3)

@@ -9,12 +9,14 @@ import time
 
 import pandas as pd
 import pytest
+import torch
 
 from tests.conftest import ROOT, run_train
 
 pytestmark = pytest.mark.integration
 
-SMALL = ["data.batch_prompts=8", "rollout.max_inflight_groups=16"]  # B = 8: quick steps, same code path
+# B = 8: quick steps, same code path; in-training validation off except where it is tested
+SMALL = ["data.batch_prompts=8", "rollout.max_inflight_groups=16", "eval.every=0"]
 STEP_KEYS = [
     "train/reward_mean", "train/loss", "train/clipfrac", "train/entropy", "train/response_len",
     "pool/occupancy", "pool/rejected", "staleness/k_mean", "staleness/k_gen_mean", "staleness/k_wait_mean",
@@ -69,6 +71,38 @@ def test_sync_run_is_on_policy(tiny_model_path, tmp_path):
     assert (consumed.k == 0).all() and (consumed.versions_spanned == 1).all()
     assert summary["fates"]["pooled"] == 0  # exactly one batch generated per step
     assert all(m["staleness/k_mean"] == 0 for m in metrics)
+
+
+def test_in_training_validation_logs_and_keeps_the_best(tiny_model_path, tmp_path):
+    # Sync: the trainer waits for generation at the engine's version while validation holds the
+    # updates, so this also checks that the hold cannot deadlock. 10 problems per level, k = 2.
+    args = ["+exp=sync_tiny", "trainer.steps=4", "logger.mode=disabled", *SMALL[:-1], "eval.every=2", "eval.k=2",
+            "eval.at_start=false", "eval.best_within=3", "data.arithmetic.n_val=40"]
+    proc = run_train(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics, groups, summary = _read(tmp_path)
+    train_rows = [m for m in metrics if "train/loss" in m]
+    assert [m["step"] for m in train_rows] == [0, 1, 2, 3]
+    assert all(m["staleness/k_mean"] == 0 for m in train_rows)  # still on-policy
+    val = [m for m in metrics if "val/avg" in m]
+    assert [m["val/version"] for m in val] == [2, 4]  # every 2 steps, and the final weights
+    assert val[-1]["step"] >= 4  # the final validation comes after the last training step
+    levels = [f"val/arith_l{i}/mean@2" for i in (1, 2, 3, 4)]
+    for m in val:
+        assert all(round(m[key] * 20, 9) == round(m[key] * 20) for key in levels)  # 10 problems × 2 samples
+        assert m["val/avg"] == pytest.approx(sum(m[key] for key in levels) / 4)
+        assert m["time/validate"] > 0 and m["val/response_len"] > 0
+    # best within 3 updates: θ_2 (θ_4 is past N), saved as a loadable model
+    assert summary["best"]["version"] == 2 and summary["best"]["val/avg"] == pytest.approx(val[0]["val/avg"])
+    assert summary["best"]["path"] == str(tmp_path / "best")
+    assert [v["version"] for v in summary["validations"]] == [2, 4]
+    assert json.loads((tmp_path / "best.json").read_text()) == summary["best"]
+    from transformers import AutoModelForCausalLM
+
+    best = AutoModelForCausalLM.from_pretrained(tmp_path / "best").state_dict()
+    init = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+    assert best.keys() == init.keys()
+    assert any(not torch.equal(best[k], init[k]) for k in init)  # two updates moved the weights
 
 
 def test_sigint_stops_cleanly(tiny_model_path, tmp_path):

@@ -121,6 +121,10 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["rollout.max_tokens=256", "rollout.max_model_len=256"], "rollout.max_model_len"),
         (["data.batch_prompts=0"], "data.batch_prompts"),
         (["rollout.top_p=0"], "rollout.top_p"),
+        (["eval.every=-1"], "eval.every"),
+        (["eval.every=5", "eval.benchmarks=[]"], "eval.benchmarks"),
+        (["eval.best_within=-1"], "eval.best_within"),
+        (["eval.top_p=1.5"], "eval.top_p"),
     ],
 )
 def test_validate_rejects_and_names_the_key(overrides: list[str], key: str) -> None:
@@ -142,3 +146,4 @@ def test_paper_presets_evaluate_on_math6_and_tiny_on_arithmetic() -> None:
         cfg = compose_cfg([f"+exp={preset}"])
         assert list(cfg.eval.benchmarks) == ["math6"] and cfg.eval.k == 32  # paper: mean@32
     assert list(compose_cfg(["+exp=pace_tiny"]).eval.benchmarks) == ["arithmetic"]
+    assert compose_cfg(["+exp=pace_qwen3_8b"]).eval.every > 0  # validated in training, on the rollout engine

@@ -1,0 +1,81 @@
+"""In-training validation on the trainer side: metric names, and the best-average checkpoint.
+
+The rollout thread validates θ_v on the rollout engine (`RolloutWorker`, `eval.every`) and hands
+over a `Validation`; the train loop logs `val_metrics` (DESIGN §6: `val/<bench>/mean@k`,
+`val/avg`) and offers it to `BestCheckpoint`, which keeps the weights with the highest average
+among versions ≤ `eval.best_within` (Table 1: the best six-benchmark average within N updates).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pace.evaluation import summarize
+
+# files of a model directory that are not weights: copied next to the saved weights
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def val_metrics(result, k: int) -> dict[str, float]:
+    """The step metrics of one validation: mean@k per set, the average, and where it came from."""
+    scores = summarize(result.results)
+    metrics = {f"val/{name}/mean@{k}": v for name, v in scores.items() if name != "avg"}
+    metrics["val/avg"] = scores["avg"]
+    metrics["val/version"] = result.version  # the weights validated (x axis of validation curves)
+    metrics["val/response_len"] = result.response_len
+    metrics["time/validate"] = result.seconds  # weight updates were held this long
+    return metrics
+
+
+def save_weights(path: Path, weights: list, model_path: str) -> None:
+    """A loadable model directory: ``model_path``'s config and tokenizer files plus ``weights``
+    as one safetensors file. Written beside ``path`` and renamed, so ``path`` is never half-written."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in Path(model_path).iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
+            shutil.copy2(f, tmp / f.name)
+    save_file({name: t.contiguous() for name, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class BestCheckpoint:
+    """Keeps the validated weights with the highest `val/avg` among versions ≤ ``within``.
+
+    Version 0 is the model on disk: it is named, not copied. Ties keep the earlier version.
+    """
+
+    def __init__(self, run_dir: Path, model_path: str, within: int | None):
+        self.path = Path(run_dir) / "best"
+        self.model_path = model_path
+        self.within = within
+        self.best: dict | None = None  # {"version", "val/avg", "path"}
+        self.history: list[dict] = []  # every validation: version and average
+
+    def offer(self, result, avg: float) -> bool:
+        """Record a validation; save its weights if it is the new best. True if it is."""
+        self.history.append({"version": result.version, "val/avg": avg})
+        if self.within is not None and result.version > self.within:
+            return False
+        if self.best is not None and avg <= self.best["val/avg"]:
+            return False
+        if result.weights is None:
+            path = self.model_path
+        else:
+            save_weights(self.path, result.weights, self.model_path)
+            path = str(self.path)
+        self.best = {"version": result.version, "val/avg": avg, "path": path}
+        (Path(self.path).parent / "best.json").write_text(json.dumps(self.best, indent=1))
+        return True
+
+    def summary(self) -> dict:
+        return {"best": self.best, "best_within": self.within, "validations": self.history}
