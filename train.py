@@ -242,6 +242,8 @@ def run(cfg: DictConfig) -> None:
             from pace.validation import BestCheckpoint
 
             val_sets = sets_from_config(cfg, tokenizer)
+            if cfg.eval.val_max_problems is not None:
+                val_sets = {name: ps[: cfg.eval.val_max_problems] for name, ps in val_sets.items()}
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:

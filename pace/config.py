@@ -139,6 +139,7 @@ class EvalConfig:
     max_tokens: Optional[int] = None  # null: rollout.max_tokens
     every: int = 0  # in-training validation every N steps on the rollout engine (0: off)
     at_start: bool = True  # also validate θ_0 (before any update) when every > 0
+    val_max_problems: Optional[int] = None  # in-training validation: first N problems of each set (null: all)
     best_within: Optional[int] = None  # best checkpoint among validations of versions <= N (null: all)
 
 
@@ -204,6 +205,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"eval.every must be >= 0 (0: no in-training validation), got {cfg.eval.every}")
     if cfg.eval.every > 0 and not cfg.eval.benchmarks:
         raise ConfigError("eval.every > 0 needs eval.benchmarks (the validation sets)")
+    if cfg.eval.val_max_problems is not None and cfg.eval.val_max_problems < 1:
+        raise ConfigError(f"eval.val_max_problems must be >= 1 or null, got {cfg.eval.val_max_problems}")
     if cfg.eval.best_within is not None and cfg.eval.best_within < 0:
         raise ConfigError(f"eval.best_within must be >= 0 or null, got {cfg.eval.best_within}")
     if cfg.trainer.mini_batches > cfg.data.batch_prompts:

@@ -1,10 +1,12 @@
 """Run logging in one place: wandb (online/offline/disabled) plus a local run directory.
 
 Local layout (read by `analysis/`; names are the API of DESIGN §6):
-    metrics.jsonl            one JSON object per training step
+    metrics.jsonl            one JSON object per training step (validations: `val/*` in the step's
+                             row; the final weights' in rows after the last step)
     groups/part-NNNNN.parquet one row per group whose fate was decided (and, at the end, the rest)
-    summary.json             fate counts and final numbers
-wandb gets the same step metrics, the per-group parts as an artifact, and the summary.
+    summary.json             fate counts and final numbers (and the best validated checkpoint)
+wandb gets the same step metrics, the summary, and the per-group parts both as an artifact and
+as run files (`groups/part-*.parquet`, inside an offline run's directory).
 """
 from __future__ import annotations
 
@@ -150,6 +152,11 @@ class RunLogger:
             import wandb
 
             self.run.summary.update(summary)
+            # The per-group records also go into the run's own files (uploaded with the run, and
+            # kept in an offline run's directory), so the wandb run alone rebuilds every figure.
+            import shutil
+
+            shutil.copytree(self.dir / "groups", Path(self.run.dir) / "groups", dirs_exist_ok=True)
             artifact = wandb.Artifact(f"groups-{self.run.id}", type="groups")
             artifact.add_dir(str(self.dir / "groups"))
             self.run.log_artifact(artifact)

@@ -124,6 +124,7 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["eval.every=-1"], "eval.every"),
         (["eval.every=5", "eval.benchmarks=[]"], "eval.benchmarks"),
         (["eval.best_within=-1"], "eval.best_within"),
+        (["eval.val_max_problems=0"], "eval.val_max_problems"),
         (["eval.top_p=1.5"], "eval.top_p"),
     ],
 )
