@@ -1,4 +1,14 @@
-"""Read one run's local logs: step metrics (metrics.jsonl), per-group records (groups/*.parquet), summary."""
+"""Runs as analysis reads them, from any of three sources that hold the same records (DESIGN §6).
+
+    local         a run directory: metrics.jsonl, groups/part-*.parquet, summary.json, .hydra/config.yaml
+    wandb-offline an offline wandb run inside the run directory (wandb/offline-run-*/): its
+                  transaction log (history, summary, config) and its files (groups/part-*.parquet)
+    wandb         an online run through the wandb API (`wandb:<entity>/<project>/<run id>`, or every
+                  run of a group with `load_group`)
+
+Every source yields the same `Run`: one row per training step, one row per validation, one row
+per group, the summary and the resolved config; `label` names the method from the config alone.
+"""
 from __future__ import annotations
 
 import json
@@ -7,21 +17,168 @@ from pathlib import Path
 
 import pandas as pd
 
+SOURCES = ("local", "wandb-offline", "wandb")
+
 
 @dataclass
 class Run:
-    dir: Path
-    steps: pd.DataFrame  # one row per training step
+    name: str  # run directory name or wandb run id
+    source: str
+    config: dict  # the resolved run config (nested, as train.py saw it)
+    steps: pd.DataFrame  # one row per training step, indexed 0..n-1; `wall` = cumulative time/step
+    val: pd.DataFrame  # one row per validation: version, wall (when θ_version existed), val/*
     groups: pd.DataFrame  # one row per group (DESIGN §6)
     summary: dict
 
+    @property
+    def label(self) -> str:
+        return method_label(self.config)
 
-def load_run(run_dir: str | Path) -> Run:
+    @property
+    def seed(self) -> int:
+        return int(self.config.get("seed", 0))
+
+    @property
+    def dir(self) -> str:  # kept for scripts written against the first version
+        return self.name
+
+
+def method_label(cfg: dict) -> str:
+    """The method's name in figures and tables, from the config: Sync, Async, Stale-4, PACE γ=2, …"""
+    pool, algo, pace = cfg.get("pool", {}), cfg.get("algo", {}), cfg.get("pace", {})
+    if algo.get("name") == "m2po":
+        return "M2PO"
+    name = pool.get("name", "async")
+    if name == "sync":
+        return "Sync"
+    if name == "async":
+        return "Async" if algo.get("ratio_ref", "behavior") == "behavior" else "Async (proximal)"
+    if name == "stale_k":
+        return f"Stale-{pool.get('max_lag', 4):g}"
+    if name == "gate":
+        return f"Gate η={pool.get('max_head_offpolicyness')}"
+    score = pace.get("score", "effective")
+    label = "PACE" + {"effective": "", "raw": " (raw)", "generation": " (gen)"}[score]
+    gamma = float(pace.get("gamma", 1.0))
+    return label if gamma == 1.0 or score != "effective" else f"{label} γ={gamma:g}"
+
+
+# ---------------------------------------------------------------- one shape for every source
+
+
+def from_records(name: str, source: str, rows: list[dict], groups: pd.DataFrame, summary: dict, config: dict) -> Run:
+    """A `Run` from logged step rows (metrics.jsonl or wandb history: the same keys)."""
+    steps = pd.DataFrame([r for r in rows if "train/loss" in r])
+    if not steps.empty:
+        steps = steps.sort_values("step" if "step" in steps else "_step").reset_index(drop=True)
+        steps["wall"] = steps["time/step"].cumsum()
+    val = pd.DataFrame([r for r in rows if "val/avg" in r])
+    if not val.empty:
+        val = val.sort_values("val/version").reset_index(drop=True)
+        # θ_v exists once v training steps are done: its wall time is the time of steps 0 … v-1
+        walls = [0.0, *steps["wall"].tolist()] if not steps.empty else [0.0]
+        val["wall"] = [walls[min(int(v), len(walls) - 1)] for v in val["val/version"]]
+        val["version"] = val["val/version"].astype(int)
+    return Run(name, source, config, steps, val, groups, summary)
+
+
+def _parquet_dir(d: Path) -> pd.DataFrame:
+    parts = sorted(d.glob("part-*.parquet"))
+    return pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True) if parts else pd.DataFrame()
+
+
+def load_local(run_dir: str | Path) -> Run:
     d = Path(run_dir)
     if not (d / "metrics.jsonl").exists():
         raise FileNotFoundError(f"{d}: not a run directory (no metrics.jsonl)")
-    steps = pd.read_json(d / "metrics.jsonl", lines=True)
-    parts = sorted((d / "groups").glob("part-*.parquet"))
-    groups = pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True) if parts else pd.DataFrame()
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
-    return Run(d, steps, groups, summary)
+    return from_records(d.name, "local", rows, _parquet_dir(d / "groups"), summary, _hydra_config(d))
+
+
+def _hydra_config(d: Path) -> dict:
+    path = d / ".hydra" / "config.yaml"
+    if not path.exists():
+        return {}
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def _unwrap_wandb_config(config: dict) -> dict:
+    """wandb stores each top-level key as {"value": …}; `_wandb` is its own bookkeeping."""
+    return {k: (v["value"] if isinstance(v, dict) and set(v) <= {"value", "desc"} and "value" in v else v)
+            for k, v in config.items() if k != "_wandb"}
+
+
+def load_wandb_offline(path: str | Path) -> Run:
+    """A run directory's offline wandb run (or an ``offline-run-*`` directory itself)."""
+    from analysis.wandb_log import read_run
+
+    path = Path(path)
+    runs = [path] if path.name.startswith(("offline-run-", "run-")) else sorted((path / "wandb").glob("offline-run-*"))
+    if not runs:
+        raise FileNotFoundError(f"{path}: no offline wandb run (wandb/offline-run-*)")
+    run_dir = runs[-1]
+    log = read_run(run_dir)
+    rows = [{**h, "step": h.get("_step")} for h in log.history]
+    groups = _parquet_dir(run_dir / "files" / "groups")
+    summary = {k: v for k, v in log.summary.items() if not k.startswith("_")}
+    name = path.name if not path.name.startswith("offline-run-") else log.id
+    return from_records(name, "wandb-offline", rows, groups, summary, _unwrap_wandb_config(log.config))
+
+
+def load_wandb(path: str, api=None) -> Run:
+    """An online run, ``<entity>/<project>/<run id>``: history, summary, config and the group records
+    (the run's ``groups/`` files, downloaded to wandb's cache)."""
+    import tempfile
+
+    import wandb
+
+    api = api or wandb.Api()
+    run = api.run(path)
+    rows = [{**r, "step": r.get("_step")} for r in run.scan_history()]
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in run.files():
+            if f.name.startswith("groups/") and f.name.endswith(".parquet"):
+                f.download(root=tmp, replace=True)
+        groups = _parquet_dir(Path(tmp) / "groups")
+    summary = {k: v for k, v in dict(run.summary).items() if not k.startswith("_")}
+    return from_records(run.id, "wandb", rows, groups, summary, _unwrap_wandb_config(dict(run.config)))
+
+
+def load_group(project: str, group: str, entity: str | None = None, api=None) -> list[Run]:
+    """Every run of a wandb group (a Hydra multirun shares one)."""
+    import wandb
+
+    api = api or wandb.Api()
+    prefix = f"{entity}/{project}" if entity else project
+    return [load_wandb(f"{prefix}/{r.id}", api) for r in api.runs(prefix, filters={"group": group})]
+
+
+def find_run_dirs(root: str | Path) -> list[Path]:
+    """Run directories under ``root`` (itself, or any depth below, e.g. a multirun sweep): those with
+    local records or an offline wandb run."""
+    root = Path(root)
+    found = {p.parent for p in root.rglob("metrics.jsonl")}
+    found |= {p.parent.parent for p in root.rglob("offline-run-*") if p.parent.name == "wandb"}
+    if root in found:
+        return [root]
+    return sorted(found)
+
+
+def load(spec: str, source: str = "local") -> list[Run]:
+    """Runs from a spec: ``wandb:<entity>/<project>/<id>``, or a directory holding run directories
+    read from ``source`` (`local` records or their `wandb-offline` copies)."""
+    if spec.startswith("wandb:"):
+        return [load_wandb(spec.removeprefix("wandb:"))]
+    dirs = find_run_dirs(spec)
+    if not dirs:
+        raise FileNotFoundError(f"{spec}: no run directories (no metrics.jsonl below it)")
+    loader = {"local": load_local, "wandb-offline": load_wandb_offline}[source]
+    return [loader(d) for d in dirs]
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """One local run directory (summarize_run.py)."""
+    return load_local(run_dir)

@@ -1,0 +1,120 @@
+"""Rebuild every figure and table (and optionally the report) for a set of runs.
+
+    python -m analysis.build runs/tiny_study --out reports/tiny --report     # local records
+    python -m analysis.build runs/tiny_study --source wandb-offline --out /tmp/x  # offline wandb runs only
+    python -m analysis.build --project pace --group pace_tiny-2026-11-30 --out reports/sweep   # online wandb
+    python -m analysis.build wandb:me/pace/abc123 wandb:me/pace/def456 --out reports/two
+
+Writes into --out: validation.{png,pdf} (Figures 1/5), stalek.{png,pdf} (Figure 3),
+pace_staleness.{png,pdf} (Figure 6), consumed_staleness.{png,pdf} (Figure 7),
+walltime.{png,pdf} (Figure 8), mean_at_k.{md,tex} (Table 1 at each run's best validation within
+--within updates), numbers.json (every number the figures, table and claims use) and, with
+--report, report.md. A figure whose runs are absent is skipped and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from analysis import figures  # noqa: E402
+from analysis.claims import evaluate_claims  # noqa: E402
+from analysis.runs import SOURCES, Run, load, load_group  # noqa: E402
+
+FIGURES = {
+    "validation": figures.validation_curves,
+    "stalek": figures.stalek_curves,
+    "pace_staleness": figures.pace_retained_vs_rejected,
+    "consumed_staleness": figures.consumed_staleness,
+    "walltime": figures.walltime_breakdown,
+}
+
+
+def build(runs: list[Run], out: Path, within: int | None = None, report: bool = False, title: str = "") -> dict:
+    from pace.evaluation import latex_table, markdown_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    made, skipped = [], []
+    for name, fn in FIGURES.items():
+        fig = fn(runs)
+        if fig is None:
+            skipped.append(name)
+        else:
+            figures.save(fig, out, name)
+            made.append(name)
+    table, k, where = figures.mean_at_k_table(runs, within)
+    if table:
+        (out / "mean_at_k.md").write_text(markdown_table(table, k))
+        (out / "mean_at_k.tex").write_text(latex_table(table, k))
+    order = {label: i for i, label in enumerate(figures.by_label(runs))}
+    runs = sorted(runs, key=lambda r: (order[r.label], r.seed, r.name))
+    numbers = {
+        "setup": setup_of(runs),
+        "runs": [{"name": r.name, "source": r.source, "label": r.label, "seed": r.seed, "steps": len(r.steps),
+                  "validations": len(r.val), "groups": len(r.groups),
+                  "train_seconds": float(r.steps["time/step"].sum()) if not r.steps.empty else 0.0} for r in runs],
+        "mean_at_k": {"k": k, "within": within, "table": table, "best": where},
+        "seconds_per_step": figures.phase_means(runs),
+        "claims": evaluate_claims(runs),
+        "figures": made, "skipped": skipped,
+    }
+    (out / "numbers.json").write_text(json.dumps(numbers, indent=1, sort_keys=True, default=float))
+    if report:
+        from analysis.report import write_report
+
+        write_report(out, numbers, title)
+    return numbers
+
+
+def setup_of(runs: list[Run]) -> dict:
+    """The settings the runs share (from the first run's config; `varies` lists those that differ)."""
+    keys = {"model": "model.path", "data": "data.source", "B": "data.batch_prompts", "G": "data.group_size",
+            "max_tokens": "rollout.max_tokens", "lr": "trainer.lr", "eval_k": "eval.k", "eval_every": "eval.every",
+            "eval_problems": "eval.val_max_problems", "eval_sets": "eval.benchmarks"}
+
+    def get(cfg: dict, dotted: str):
+        for part in dotted.split("."):
+            cfg = cfg.get(part, {}) if isinstance(cfg, dict) else {}
+        return None if cfg == {} else cfg
+
+    out = {name: get(runs[0].config, key) for name, key in keys.items()}
+    out["steps"] = max(len(r.steps) for r in runs)
+    out["varies"] = [name for name, key in keys.items() if any(get(r.config, key) != out[name] for r in runs)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("specs", nargs="*", help="run directories / sweep folders, or wandb:<entity>/<project>/<id>")
+    ap.add_argument("--source", choices=SOURCES[:2], default="local", help="for directories: local records or their offline wandb runs")
+    ap.add_argument("--project", help="online wandb project (with --group)")
+    ap.add_argument("--entity")
+    ap.add_argument("--group", help="every run of this wandb group")
+    ap.add_argument("--within", type=int, help="Table 1: best validation among versions <= N (default: all)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--report", action="store_true", help="also write report.md")
+    ap.add_argument("--title", default="")
+    args = ap.parse_args()
+    if not args.specs and not args.group:
+        ap.error("give run directories / wandb:… specs, or --project and --group")
+    try:
+        runs = [r for spec in args.specs for r in load(spec, args.source)]
+        if args.group:
+            if not args.project:
+                ap.error("--group needs --project")
+            runs += load_group(args.project, args.group, args.entity)
+    except (FileNotFoundError, ValueError) as exc:
+        sys.exit(f"error: {exc}")
+    if not runs:
+        sys.exit("error: no runs found")
+    numbers = build(runs, args.out, args.within, args.report, args.title)
+    print(f"{len(runs)} runs ({', '.join(sorted({r.label for r in runs}))}) → {args.out}")
+    print(f"figures: {', '.join(numbers['figures']) or 'none'}"
+          + (f"; skipped (no runs for them): {', '.join(numbers['skipped'])}" if numbers["skipped"] else ""))
+
+
+if __name__ == "__main__":
+    main()

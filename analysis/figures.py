@@ -1,0 +1,250 @@
+"""The paper's figures and Table 1 from `Run`s (analysis.runs), one function each.
+
+Every figure function takes the runs and returns a matplotlib Figure, or None when the runs hold
+nothing it can draw (e.g. no Stale-k run); `save` writes PNG and PDF. Seeds of one method are
+pooled: curves show the mean over seeds with the min–max range shaded.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from analysis.runs import Run  # noqa: E402
+
+ORDER = ["Sync", "Async", "PACE", "PACE (raw)", "PACE (gen)", "M2PO"]  # then the rest, sorted
+MAIN = ("Sync", "Async", "PACE")
+COLORS = {"Sync": "#4c72b0", "Async": "#dd8452", "PACE": "#55a868", "PACE (raw)": "#8172b3",
+          "PACE (gen)": "#937860", "M2PO": "#c44e52"}
+
+
+def by_label(runs: list[Run]) -> dict[str, list[Run]]:
+    out: dict[str, list[Run]] = defaultdict(list)
+    for r in runs:
+        out[r.label].append(r)
+    known = [k for k in ORDER if k in out]
+    return {k: out[k] for k in known + sorted(set(out) - set(known), key=_natural)}
+
+
+def _natural(label: str):
+    import re
+
+    return [float(t) if t.replace(".", "", 1).isdigit() else t for t in re.split(r"([0-9.]+)", label)]
+
+
+def color(label: str, i: int = 0) -> str:
+    return COLORS.get(label, plt.get_cmap("tab10")(i % 10))
+
+
+def save(fig, out_dir: Path, name: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.png", out_dir / f"{name}.pdf"]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def _band(ax, curves: list[pd.Series], label: str, c, x_scale: float = 1.0) -> None:
+    """Mean over seeds (on the x values all seeds share) with the min–max range."""
+    table = pd.concat(curves, axis=1).dropna()
+    if table.empty:
+        return
+    x = table.index.to_numpy(dtype=float) * x_scale
+    ax.plot(x, table.mean(axis=1), color=c, label=f"{label} (n={len(curves)})" if len(curves) > 1 else label)
+    if len(curves) > 1:
+        ax.fill_between(x, table.min(axis=1), table.max(axis=1), color=c, alpha=0.2, linewidth=0)
+
+
+# ---------------------------------------------------------------- Figures 1 and 5
+
+
+def validation_curves(runs: list[Run], labels=MAIN):
+    """Validation average (mean@k over the validation sets) against training steps and wall time."""
+    groups = {k: v for k, v in by_label(runs).items() if k in labels and any(not r.val.empty for r in v)}
+    if not groups:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for i, (label, rs) in enumerate(groups.items()):
+        rs = [r for r in rs if not r.val.empty]
+        _band(a, [r.val.set_index("version")["val/avg"] for r in rs], label, color(label, i))
+        # wall time differs per seed: mean wall of each version over seeds
+        walls = pd.concat([r.val.set_index("version")["wall"] for r in rs], axis=1).mean(axis=1)
+        accs = pd.concat([r.val.set_index("version")["val/avg"] for r in rs], axis=1)
+        b.plot(walls / 60, accs.mean(axis=1), color=color(label, i), label=label, marker=".")
+    a.set(xlabel="training step (weights validated)", ylabel=f"validation mean@{_k(runs)} (avg)")
+    b.set(xlabel="wall time (min)")
+    a.legend(fontsize=8)
+    fig.suptitle("Validation accuracy against steps and wall time")
+    return fig
+
+
+def _k(runs: list[Run]) -> str:
+    for r in runs:
+        for col in r.val.columns:
+            if col.startswith("val/") and "/mean@" in col:
+                return col.rsplit("@", 1)[1]
+    return "k"
+
+
+# ---------------------------------------------------------------- Figure 3
+
+
+def smooth(s: pd.Series, window: int) -> pd.Series:
+    return s.rolling(window, min_periods=1).mean()
+
+
+def stalek_curves(runs: list[Run], early: float = 0.5, window: int = 10):
+    """Early training of the Stale-k sweep: accuracy of every completed group (filtered or not)
+    against steps, over the first ``early`` fraction of the run; Async as the unbounded reference."""
+    groups = {k: v for k, v in by_label(runs).items() if k.startswith("Stale-") or k == "Async"}
+    if not any(k.startswith("Stale-") for k in groups):
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for i, (label, rs) in enumerate(groups.items()):
+        curves = []
+        for r in rs:
+            n = max(1, int(len(r.steps) * early))
+            curves.append(smooth(r.steps["rollout/acc_mean"], window).iloc[:n])
+        _band(ax, curves, label, color(label, i) if label == "Async" else plt.get_cmap("viridis")(i / max(len(groups), 2)))
+    ax.set(xlabel="training step", ylabel=f"rollout accuracy ({window}-step mean)",
+           title="Stale-k: early training")
+    ax.legend(fontsize=8)
+    return fig
+
+
+# ---------------------------------------------------------------- Figures 6 and 7
+
+
+STALENESS = [("k_wait", "Waiting Staleness $K_{wait}$"), ("k_gen", "Generation Staleness $K_{gen}$")]
+
+
+def _hist(ax, series: dict[str, np.ndarray], colors: dict[str, str]) -> None:
+    values = np.concatenate([v for v in series.values() if len(v)]) if any(len(v) for v in series.values()) else np.array([0.0])
+    bins = np.linspace(values.min(), max(values.max(), values.min() + 1e-6), 30)
+    for name, v in series.items():
+        if len(v):
+            ax.hist(v, bins=bins, density=True, alpha=0.55, color=colors[name], label=f"{name} (n={len(v)})")
+
+
+def pace_retained_vs_rejected(runs: list[Run], label: str = "PACE"):
+    """Waiting, Generation and Effective Staleness of the groups PACE kept vs rejected (Figure 6)."""
+    gs = [r.groups for r in runs if r.label == label and not r.groups.empty]
+    if not gs:
+        return None
+    g = pd.concat(gs, ignore_index=True)
+    kept, rejected = g[g.fate == "consumed"], g[g.fate == "rejected"]
+    if rejected.empty:
+        return None
+    cols = [*STALENESS, ("s_eff", "Effective Staleness $S_{eff}$")]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (col, title) in zip(axes, cols):
+        _hist(ax, {"retained": kept[col].dropna().to_numpy(), "rejected": rejected[col].dropna().to_numpy()},
+              {"retained": COLORS["PACE"], "rejected": "#c44e52"})
+        ax.set(title=title, xlabel="steps")
+    axes[0].set_ylabel("density")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{label}: retained (consumed) vs rejected groups")
+    return fig
+
+
+def consumed_staleness(runs: list[Run], labels=("Async", "PACE")):
+    """Staleness of the groups each method trained on (Figure 7)."""
+    data = {}
+    for label, rs in by_label(runs).items():
+        if label in labels:
+            g = pd.concat([r.groups for r in rs if not r.groups.empty], ignore_index=True)
+            if not g.empty:
+                data[label] = g[g.fate == "consumed"]
+    if len(data) < 2:
+        return None
+    cols = [*STALENESS, ("k", "Staleness $K$")]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (col, title) in zip(axes, cols):
+        _hist(ax, {k: v[col].dropna().to_numpy() for k, v in data.items()}, {k: color(k) for k in data})
+        ax.set(title=title, xlabel="steps")
+    axes[0].set_ylabel("density")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Staleness of consumed groups")
+    return fig
+
+
+# ---------------------------------------------------------------- Figure 8
+
+CRITICAL = [("time/wait_data", "waiting for data"), ("time/train", "training"), ("time/sync", "weight sync")]
+OVERLAPPED = [("time/generate", "generation"), ("time/rescore", "rescoring (PFS)")]
+
+
+def phase_means(runs: list[Run], warmup: int = 5) -> dict[str, dict[str, float]]:
+    """Seconds per step by phase, mean over steps ≥ ``warmup`` and over seeds, per method."""
+    out = {}
+    for label, rs in by_label(runs).items():
+        # short runs (tests, dry runs) keep their second half
+        steps = pd.concat([r.steps.iloc[min(warmup, len(r.steps) // 2):] for r in rs], ignore_index=True)
+        if steps.empty:
+            continue
+        m = {k: float(steps[k].mean()) if k in steps else 0.0 for k, _ in CRITICAL + OVERLAPPED}
+        m["time/step"] = float(steps["time/step"].mean())
+        m["other"] = max(0.0, m["time/step"] - sum(m[k] for k, _ in CRITICAL))
+        out[label] = m
+    return out
+
+
+def walltime_breakdown(runs: list[Run], warmup: int = 5):
+    """Wall time per training step by phase (stacked: the step's critical path) with the work that
+    overlaps it drawn beside, hatched: generation, and PACE's prefix rescoring."""
+    means = phase_means(runs, warmup)
+    if not means:
+        return None
+    labels = list(means)
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 3, 3.8))
+    bottom = np.zeros(len(labels))
+    for i, (key, name) in enumerate([*CRITICAL, ("other", "other (logging, batching)")]):
+        h = np.array([means[lb][key] for lb in labels])
+        ax.bar(x - 0.2, h, 0.38, bottom=bottom, label=name, color=plt.get_cmap("tab20c")(i * 4))
+        bottom += h
+    for j, (key, name) in enumerate(OVERLAPPED):
+        h = np.array([means[lb][key] for lb in labels])
+        ax.bar(x + 0.2 + (j - 0.5) * 0.19, h, 0.18, label=f"{name} (overlapped)", fill=False,
+               hatch="///" if j == 0 else "xx", edgecolor=plt.get_cmap("tab10")(j + 3))
+    ax.set_xticks(x, labels, rotation=20)
+    ax.set(ylabel="seconds per step", title=f"Wall time per training step (steps ≥ {warmup})")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+# ---------------------------------------------------------------- Table 1
+
+
+def best_validation(run: Run, within: int | None) -> pd.Series | None:
+    """The validation row with the highest average among versions ≤ ``within`` (earliest on ties)."""
+    val = run.val if within is None else run.val[run.val["version"] <= within]
+    if val.empty:
+        return None
+    return val.loc[val["val/avg"].idxmax()]
+
+
+def mean_at_k_table(runs: list[Run], within: int | None = None) -> tuple[dict[str, dict[str, float]], str, dict]:
+    """Table 1: per method, mean@k per benchmark and the average at each run's best validation
+    within ``within`` updates, averaged over seeds. Also returns k and, per method, the versions
+    and seeds the rows come from."""
+    table, where = {}, {}
+    for label, rs in by_label(runs).items():
+        rows = [(r, best_validation(r, within)) for r in rs]
+        rows = [(r, b) for r, b in rows if b is not None]
+        if not rows:
+            continue
+        # sorted names: arith_l1…l4, and the six math benchmarks in Table 1's order
+        cols = sorted(c for c in rows[0][1].index if c.startswith("val/") and "/mean@" in c)
+        scores = {c.split("/")[1]: float(np.mean([b[c] for _, b in rows])) for c in cols}
+        scores["avg"] = float(np.mean([b["val/avg"] for _, b in rows]))
+        table[label] = scores
+        where[label] = [{"run": r.name, "seed": r.seed, "version": int(b["version"])} for r, b in rows]
+    return table, _k(runs), where

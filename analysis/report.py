@@ -1,0 +1,131 @@
+"""report.md: the figures, Table 1 and the four claims in words, for a reader who has not read the code."""
+from __future__ import annotations
+
+from pathlib import Path
+
+CAPTIONS = {
+    "validation": ("Validation accuracy (Figures 1 and 5)",
+                   "Average mean@k over the validation sets against the training step whose weights were "
+                   "validated (left) and against the training wall time at which those weights existed "
+                   "(right). Lines are means over seeds; shading spans the seeds."),
+    "stalek": ("Stale-k sweep, early training (Figure 3)",
+               "Accuracy of every completed rollout group (before dynamic-sampling filtering), 10-step running "
+               "mean, over the first half of training. Stale-k discards a group at consumption when its "
+               "staleness exceeds k; Async has no bound."),
+    "pace_staleness": ("What PACE keeps and what it rejects (Figure 6)",
+                       "Waiting, Generation and Effective Staleness of the groups PACE trained on (retained) and "
+                       "of the groups it rejected, at the step their fate was decided."),
+    "consumed_staleness": ("Staleness of the data each method trained on (Figure 7)",
+                           "Waiting Staleness, Generation Staleness and their sum K of consumed groups."),
+    "walltime": ("Where the time goes (Figure 8)",
+                 "Seconds per training step. Solid: the step's critical path (waiting for a batch, training, "
+                 "weight sync, the rest). Hatched, beside it: work that overlaps the step: generation on the "
+                 "rollout engine, and PACE's prefix rescoring."),
+}
+
+CLAIMS = {
+    "a_stale_k": "(a) A larger Stale-k lag slows early optimisation",
+    "b_backlog": "(b) Without filtering, a backlog forms and the Waiting Staleness of consumed data grows",
+    "c_pace_vs_async": "(c) PACE lowers Waiting Staleness and learns at least as well as Async per step, at close to Async's wall time",
+    "d_long_rejections": "(d) Effective ranking rejects fewer long responses than Raw ranking",
+}
+
+
+DEFINITIONS = """\
+Staleness of a group consumed at training step j is K = j − c̄, where c̄ is the mean policy version
+at which its responses were completed. It splits exactly into Generation Staleness K_gen (how many
+versions its tokens span while they were generated) and Waiting Staleness K_wait (steps it then
+waited in the pool). PACE rejects, when the pool holds more than its target, the groups with the
+highest Effective Staleness S_eff = K_wait + u^γ K_gen, where u is the percentile of the group's
+Prefix Forgetting Score: how far the current policy has moved on the group's first tokens."""
+
+
+def _setup_text(s: dict) -> str:
+    model = "the embedded tiny model (2 layers, width 128, Qwen3 architecture, SFT warm start)" \
+        if s.get("model") is None else f"`{s['model']}`"
+    data = "generated multi-term arithmetic of four difficulty levels" if s.get("data") == "arithmetic" else "`" + str(s.get("data")) + "`"
+    val = (f" Validation: mean@{s['eval_k']} on {', '.join(map(str, s.get('eval_sets') or []))}"
+           + (f" (first {s['eval_problems']} problems of each set)" if s.get("eval_problems") else "")
+           + f" every {s['eval_every']} steps, on the rollout engine." if s.get("eval_every") else "")
+    varies = f" Settings that differ between runs: {', '.join(s['varies'])}." if s.get("varies") else ""
+    return (f"Fully asynchronous DAPO on {model}, trained on {data}: a vLLM engine generates in a thread "
+            f"while the trainer updates the policy; B = {s.get('B')} prompts × G = {s.get('G')} responses per step, "
+            f"responses up to {s.get('max_tokens')} tokens, learning rate {s.get('lr')}, up to {s.get('steps')} steps per run."
+            + val + varies)
+
+
+def _verdict(c: dict) -> str:
+    if not c.get("tested"):
+        return f"**not tested** ({c.get('why', 'runs missing')})"
+    return "**holds**" if c["holds"] else "**does not hold** at this scale"
+
+
+def _f(x, nd=3) -> str:
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def _claim_text(key: str, c: dict) -> str:
+    if not c.get("tested"):
+        return ""
+    if key == "a_stale_k":
+        parts = ", ".join(f"{k}: {_f(v)}" for k, v in c["early_rollout_acc"].items())
+        return (f"Mean rollout accuracy over the first half of training, by lag: {parts} "
+                f"({'monotone' if c['monotone'] else 'not monotone'} in the lag).")
+    if key == "b_backlog":
+        return (f"Async ({c['seeds']} seed(s)): pool occupancy {_f(c['occupancy_first_tenth'], 1)} groups in the "
+                f"first tenth of training → {_f(c['occupancy_last_tenth'], 1)} in the last; consumed K_wait "
+                f"{_f(c['k_wait_first_tenth'], 2)} → {_f(c['k_wait_last_tenth'], 2)} steps.")
+    if key == "c_pace_vs_async":
+        s = c["scores"]
+        return (f"Consumed K_wait: PACE {_f(c['k_wait_mean']['PACE'], 2)} vs Async {_f(c['k_wait_mean']['Async'], 2)} "
+                f"({'lower' if c['lower_k_wait'] else 'not lower'}). {c['score_metric'].capitalize()}: PACE "
+                f"{', '.join(_f(x) for x in s['PACE'])} vs Async {', '.join(_f(x) for x in s['Async'])} "
+                f"(difference of means {c['score_diff']:+.3f}, standard error {_f(c['score_diff_se'])}; "
+                f"{'as well' if c['learns_as_well'] else 'worse'}). Seconds per step: PACE "
+                f"{_f(c['seconds_per_step']['PACE'], 2)} vs Async {_f(c['seconds_per_step']['Async'], 2)} "
+                f"(ratio {_f(c['time_ratio'])}; {'within' if c['close_wall_time'] else 'over'} 10%).")
+    if key == "d_long_rejections":
+        e, r = c["PACE"], c["PACE (raw)"]
+        return (f"Share of rejected groups longer than the run's median: effective {_f(e['share_long'])} "
+                f"({e['rejected']} rejected, mean length {_f(e['rejected_len_mean'], 1)} tokens) vs raw "
+                f"{_f(r['share_long'])} ({r['rejected']} rejected, mean length {_f(r['rejected_len_mean'], 1)}).")
+    return ""
+
+
+def write_report(out: Path, numbers: dict, title: str = "") -> Path:
+    runs = numbers["runs"]
+    lines = [f"# {title or 'PACE reproduction report'}", "", _setup_text(numbers["setup"]), ""]
+    setup = out / "setup.md"  # optional, written by the study script: machine, commit, command, time
+    if setup.exists():
+        lines += [setup.read_text().strip(), ""]
+    lines += [DEFINITIONS, ""]
+    lines += ["## Runs", "", "| method | seeds | steps | training wall time (min, all seeds) | validations per run |",
+              "| --- | --- | --- | --- | --- |"]
+    by = {}
+    for r in runs:
+        by.setdefault(r["label"], []).append(r)
+    for label, rs in by.items():
+        steps = sorted({r["steps"] for r in rs})
+        vals = sorted({r["validations"] for r in rs})
+        lines.append(f"| {label} | {', '.join(str(r['seed']) for r in rs)} | {'/'.join(map(str, steps))} | "
+                     f"{sum(r['train_seconds'] for r in rs) / 60:.1f} | {'/'.join(map(str, vals))} |")
+    lines += ["", "## Claims", "",
+              "Each rule was fixed before the runs (analysis/claims.py); the numbers below come from the run logs.", ""]
+    for key, name in CLAIMS.items():
+        c = numbers["claims"][key]
+        lines += [f"- {name}: {_verdict(c)}. {_claim_text(key, c)}".rstrip(), ""]
+    for name in numbers["figures"]:
+        head, caption = CAPTIONS[name]
+        lines += [f"## {head}", "", f"![{head}]({name}.png)", "", caption, ""]
+    if numbers["skipped"]:
+        lines += [f"Not drawn (no runs for them): {', '.join(numbers['skipped'])}.", ""]
+    table = out / "mean_at_k.md"
+    if table.exists():
+        m = numbers["mean_at_k"]
+        within = f"within {m['within']} updates" if m["within"] is not None else "over the whole run"
+        lines += ["## Table 1 layout: best validation", "",
+                  f"Per method, each run's best validation average {within}, mean over seeds.", "",
+                  table.read_text().strip(), ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

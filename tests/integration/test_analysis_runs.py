@@ -1,0 +1,94 @@
+"""analysis/ on real logs: short tiny runs of every method the figures need, built into every
+figure, Table 1 and the report, from local records and from the offline wandb runs alone."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from analysis.build import build
+from analysis.runs import load
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
+
+# B = 8 with 16 groups in flight and ρ without smoothing: PACE rejects within a few steps.
+SHORT = ["trainer.steps=5", "data.batch_prompts=8", "rollout.max_inflight_groups=16", "pace.ema=0.0",
+         "eval.every=2", "eval.k=2", "eval.val_max_problems=5", "logger.mode=offline", "logger.progress=false"]
+SWEEPS = {
+    "main": ["+exp=sync_tiny,async_tiny,pace_tiny,pace_raw_tiny"],
+    "stalek": ["+exp=stalek_tiny", "pool.max_lag=1,8"],
+}
+
+
+@pytest.fixture(scope="module")
+def study(tiny_model_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("study")
+    for name, args in SWEEPS.items():
+        cmd = [sys.executable, str(ROOT / "train.py"), "-m", *args, *SHORT, f"hydra.sweep.dir={root / name}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def _numbers(out):
+    numbers = json.loads((out / "numbers.json").read_text())
+    for r in numbers["runs"]:
+        r.pop("source")
+    return numbers
+
+
+def test_every_figure_table_and_the_report_build(study, tmp_path):
+    runs = load(str(study), "local")
+    assert sorted(r.label for r in runs) == ["Async", "PACE", "PACE (raw)", "Stale-1", "Stale-8", "Sync"]
+    numbers = build(runs, tmp_path, report=True, title="test")
+    assert numbers["skipped"] == []
+    for name in ("validation", "stalek", "pace_staleness", "consumed_staleness", "walltime"):
+        for ext in ("png", "pdf"):
+            assert (tmp_path / f"{name}.{ext}").stat().st_size > 1000, name
+    table = (tmp_path / "mean_at_k.md").read_text().splitlines()
+    assert table[0] == "mean@2 (%)" and table[2] == "| method | Arith L1 | Arith L2 | Arith L3 | Arith L4 | Avg. |"
+    assert [row.split(" | ")[0].strip("| ") for row in table[4:]] == ["Sync", "Async", "PACE", "PACE (raw)", "Stale-1", "Stale-8"]
+    assert "\\begin{tabular}" in (tmp_path / "mean_at_k.tex").read_text()
+    # Table 1 entries are each run's best validation: θ_0, the first version loaded at or past each
+    # multiple of 2 (updates held during a validation may skip one), and the final θ_5
+    for run in runs:
+        versions = run.val["version"].tolist()
+        assert versions[0] == 0 and versions[-1] == 5 and versions == sorted(set(versions)), versions
+        assert numbers["mean_at_k"]["table"][run.label]["avg"] == pytest.approx(run.val["val/avg"].max())
+    # every claim has the runs it needs (PACE and PACE (raw) both rejected groups)
+    assert all(c["tested"] for c in numbers["claims"].values()), numbers["claims"]
+    report = (tmp_path / "report.md").read_text()
+    for name in ("validation", "stalek", "pace_staleness", "consumed_staleness", "walltime"):
+        assert f"({name}.png)" in report
+    assert report.count("**holds**") + report.count("**does not hold**") == 4
+
+
+def test_offline_wandb_runs_alone_give_the_same_numbers(study, tmp_path):
+    build(load(str(study), "local"), tmp_path / "local")
+    copy = tmp_path / "copy"
+    shutil.copytree(study, copy)
+    for run_dir in copy.glob("*/*"):  # the local records go: only the offline wandb runs remain
+        if (run_dir / "metrics.jsonl").exists():
+            shutil.rmtree(run_dir / "groups")
+            (run_dir / "metrics.jsonl").unlink()
+            (run_dir / "summary.json").unlink()
+    runs = load(str(copy), "wandb-offline")
+    assert len(runs) == 6 and all(not r.groups.empty for r in runs)
+    build(runs, tmp_path / "wandb")
+    local, wandb = _numbers(tmp_path / "local"), _numbers(tmp_path / "wandb")
+    assert wandb == local
+    assert (tmp_path / "local" / "mean_at_k.md").read_text() == (tmp_path / "wandb" / "mean_at_k.md").read_text()
+
+
+def test_cli_builds_from_a_sweep_folder(study, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "analysis.build", str(study / "stalek"), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 runs (Stale-1, Stale-8)" in proc.stdout and (tmp_path / "stalek.png").exists()
+    bad = subprocess.run([sys.executable, "-m", "analysis.build", str(tmp_path / "nothing"), "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error:") and len(bad.stderr.strip().splitlines()) == 1
