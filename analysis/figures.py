@@ -81,7 +81,7 @@ def validation_curves(runs: list[Run], labels=MAIN):
     a.set(xlabel="training step (weights validated)", ylabel=f"validation mean@{_k(runs)} (avg)")
     b.set(xlabel="wall time (min)")
     a.legend(fontsize=8)
-    fig.suptitle("Validation accuracy against steps and wall time")
+    fig.suptitle("Validation accuracy against steps and wall time", y=1.02)
     return fig
 
 
@@ -150,7 +150,7 @@ def pace_retained_vs_rejected(runs: list[Run], label: str = "PACE"):
         ax.set(title=title, xlabel="steps")
     axes[0].set_ylabel("density")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{label}: retained (consumed) vs rejected groups")
+    fig.suptitle(f"{label}: retained (consumed) vs rejected groups", y=1.03)
     return fig
 
 
@@ -171,7 +171,7 @@ def consumed_staleness(runs: list[Run], labels=("Async", "PACE")):
         ax.set(title=title, xlabel="steps")
     axes[0].set_ylabel("density")
     axes[0].legend(fontsize=8)
-    fig.suptitle("Staleness of consumed groups")
+    fig.suptitle("Staleness of consumed groups", y=1.03)
     return fig
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The small-scale study on a CPU, then every figure, table and the report into reports/tiny/.
 #
-#   bash scripts/reproduce_tiny.sh                  # the whole study (~1.5 h on 2 cores; STEPS=150 for longer runs)
+#   bash scripts/reproduce_tiny.sh                  # the whole study (~1.4 h on 2 cores; STEPS=150 for longer runs)
 #   STEPS=20 SEEDS="0" OUT=/tmp/s REPORT=/tmp/r bash scripts/reproduce_tiny.sh   # a quick dry run
 #
 # Runs, one after another (2 cores hold one run at a time), each `python train.py` with its own
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 OUT=${OUT:-runs/tiny_study}
 REPORT=${REPORT:-reports/tiny}
-STEPS=${STEPS:-100}
+STEPS=${STEPS:-90}
 SEEDS=${SEEDS:-"0 1 2"}
 EXTRA=("$@")
 
