@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--report", action="store_true", help="also write report.md")
     ap.add_argument("--title", default="")
+    ap.add_argument("--include-unfinished", action="store_true",
+                    help="also use runs that are still going, were interrupted or failed (summary status)")
     args = ap.parse_args()
     if not args.specs and not args.group:
         ap.error("give run directories / wandb:… specs, or --project and --group")
@@ -108,6 +110,11 @@ def main() -> None:
             runs += load_group(args.project, args.group, args.entity)
     except (FileNotFoundError, ValueError) as exc:
         sys.exit(f"error: {exc}")
+    if not args.include_unfinished:
+        unfinished = [r.name for r in runs if r.summary.get("status") != "finished"]
+        runs = [r for r in runs if r.summary.get("status") == "finished"]
+        if unfinished:
+            print(f"left out (not finished; --include-unfinished keeps them): {', '.join(unfinished)}", file=sys.stderr)
     if not runs:
         sys.exit("error: no runs found")
     numbers = build(runs, args.out, args.within, args.report, args.title)

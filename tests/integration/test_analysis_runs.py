@@ -89,6 +89,15 @@ def test_cli_builds_from_a_sweep_folder(study, tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "2 runs (Stale-1, Stale-8)" in proc.stdout and (tmp_path / "stalek.png").exists()
+    # a run that did not finish (here: marked interrupted) is left out unless asked for, and named
+    copy = tmp_path / "copy"
+    shutil.copytree(study / "stalek", copy)
+    summary = next(copy.glob("*/summary.json"))
+    summary.write_text(summary.read_text().replace('"status": "finished"', '"status": "interrupted"'))
+    part = subprocess.run([sys.executable, "-m", "analysis.build", str(copy), "--out", str(tmp_path / "p")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert part.returncode == 0 and "1 runs" in part.stdout
+    assert f"left out (not finished; --include-unfinished keeps them): {summary.parent.name}" in part.stderr
     bad = subprocess.run([sys.executable, "-m", "analysis.build", str(tmp_path / "nothing"), "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error:") and len(bad.stderr.strip().splitlines()) == 1
