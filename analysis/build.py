@@ -58,6 +58,7 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
                   "train_seconds": float(r.steps["time/step"].sum()) if not r.steps.empty else 0.0} for r in runs],
         "mean_at_k": {"k": k, "within": within, "table": table, "best": where},
         "seconds_per_step": figures.phase_means(runs),
+        "val_noise": val_noise(runs),
         "claims": evaluate_claims(runs),
         "figures": made, "skipped": skipped,
     }
@@ -67,6 +68,17 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
 
         write_report(out, numbers, title)
     return numbers
+
+
+def val_noise(runs: list[Run]) -> dict | None:
+    """Spread of the validation average of θ_0 (the same weights in every run): the noise floor of
+    one validation, since the in-training validation is sampled without a per-request seed."""
+    import numpy as np
+
+    v0 = [float(r.val["val/avg"].iloc[0]) for r in runs if not r.val.empty and int(r.val["version"].iloc[0]) == 0]
+    if len(v0) < 2:
+        return None
+    return {"runs": len(v0), "min": min(v0), "max": max(v0), "std": float(np.std(v0, ddof=1))}
 
 
 def setup_of(runs: list[Run]) -> dict:

@@ -109,6 +109,11 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
         vals = sorted({r["validations"] for r in rs})
         lines.append(f"| {label} | {', '.join(str(r['seed']) for r in rs)} | {'/'.join(map(str, steps))} | "
                      f"{sum(r['train_seconds'] for r in rs) / 60:.1f} | {'/'.join(map(str, vals))} |")
+    noise = numbers.get("val_noise")
+    if noise:
+        lines += ["", f"Validation noise: θ_0 is the same model in all {noise['runs']} runs, and its validation average "
+                  f"ranged {noise['min']:.3f}–{noise['max']:.3f} (standard deviation {noise['std']:.3f}) from sampling alone; "
+                  "differences between single validations smaller than that are not evidence."]
     lines += ["", "## Claims", "",
               "Each rule was fixed before the runs (analysis/claims.py); the numbers below come from the run logs.", ""]
     for key, name in CLAIMS.items():
