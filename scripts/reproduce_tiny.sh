@@ -32,6 +32,7 @@ for k in 1 2 4 8; do runs+=("stalek${k}_s0 +exp=stalek_tiny pool.max_lag=${k} se
 finished() { [[ -f "$1/summary.json" ]] && grep -q '"status": "finished"' "$1/summary.json"; }
 
 mkdir -p "$OUT/logs"
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)  # the code the runs are made with
 start=$(date +%s)
 i=0
 for spec in "${runs[@]}"; do
@@ -55,7 +56,7 @@ elapsed=$(( $(date +%s) - start ))
 mkdir -p "$REPORT"
 cat >"$REPORT/setup.md" <<EOF
 - Machine: $(nproc) CPU cores ($(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | xargs || echo unknown)), no GPU.
-- Code: commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); command: \`bash scripts/reproduce_tiny.sh ${EXTRA[*]:-}\` with STEPS=${STEPS}, SEEDS="${SEEDS}".
+- Code: commit ${commit} (runs; the report is built by the analysis at the same checkout); command: \`bash scripts/reproduce_tiny.sh ${EXTRA[*]:-}\` with STEPS=${STEPS}, SEEDS="${SEEDS}".
 - Study wall time: $((elapsed / 60)) min $((elapsed % 60)) s for the runs not already finished (${#runs[@]} runs in all).
 EOF
 python -m analysis.build "$OUT" --out "$REPORT" --report --title "PACE at small scale: a CPU reproduction"
