@@ -20,6 +20,9 @@ class Fate(str, Enum):
     REJECTED = "rejected"  # removed by a pool policy (with a reason)
     FILTERED = "filtered"  # dynamic sampling: all responses scored the same
     DROPPED_STALE = "dropped_stale"  # Stale-k: K above pool.max_lag at consumption
+    # cut short by a stop (SIGTERM/SIGINT, a failure) or left out of a checkpoint: in flight at the
+    # checkpoint, or in the batch of a training step that failed. Its prompt goes back to the sampler.
+    DROPPED_SHUTDOWN = "dropped_shutdown"
 
 
 @dataclass

@@ -5,9 +5,18 @@ Every group ever submitted ends in exactly one fate. The pool is the only place 
     on_submitted   → inflight
     add            → pooled, or filtered (dynamic sampling)
     form_batch     → consumed, or rejected / dropped_stale (by the policy)
-    at shutdown    whatever is left stays pooled / inflight and is counted
+    drop_inflight  → dropped_shutdown (a stop: in-flight groups are cut short, prompts returned)
+    abandon        consumed → dropped_shutdown (the training step on that batch failed)
+    at shutdown    whatever is left stays pooled and is counted (and checkpointed)
 
-Invariant, checked by `check_accounting`: submitted == Σ_fate count(fate).
+Invariant, checked by `check_accounting`: submitted == Σ_fate count(fate), across resumes too:
+`state_dict` counts the groups in flight at the checkpoint as dropped_shutdown, so a run resumed
+from it decides each of them once.
+
+Capacity (`pool.capacity`): no group is started while pooled + in flight ≥ capacity, so the pool
+never holds more than `capacity` groups and memory stays bounded when production outruns
+training. Production waits (back-pressure, nothing is discarded); `capacity_blocked` says when.
+
 The rollout thread calls `admits`, `on_submitted`, `add`; the trainer thread calls `form_batch`,
 `drain_decided`. One lock guards everything; a condition wakes the trainer when groups arrive.
 """
@@ -80,9 +89,13 @@ class PoolPolicy:
 
 
 class Pool:
-    def __init__(self, policy: PoolPolicy, informative: Callable[[Group], bool]):
+    def __init__(self, policy: PoolPolicy, informative: Callable[[Group], bool], capacity: int | None = None):
+        if capacity is not None and capacity < policy.batch_prompts:
+            raise ValueError(f"Pool: capacity {capacity} is below the batch size {policy.batch_prompts}")
         self.policy = policy
         self.informative = informative
+        self.capacity = capacity
+        self.capacity_blocked = False  # the last admission check was refused by the capacity
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._pooled = PoolColumns()  # completion order
@@ -97,7 +110,9 @@ class Pool:
     # --- rollout side ------------------------------------------------------------------------
     def admits(self, engine_version: int, trainer_version: int) -> bool:
         with self._lock:
-            return self.policy.admits(self._view(engine_version, trainer_version))
+            full = self.capacity is not None and len(self._pooled) + len(self._inflight) >= self.capacity
+            self.capacity_blocked = full
+            return not full and self.policy.admits(self._view(engine_version, trainer_version))
 
     def on_submitted(self, group: Group) -> None:
         with self._lock:
@@ -118,6 +133,16 @@ class Pool:
             self._decide(group, Fate.FILTERED, "all rewards equal", version)
             self._arrived.notify_all()  # admission may open up again (sync policy)
             return False
+
+    def drop_inflight(self, step: int, reason: str = "shutdown") -> list[Group]:
+        """Stop: every group in flight ends as dropped_shutdown. Returns them (their prompts go back
+        to the sampler). Call once the rollout thread has stopped adding."""
+        with self._lock:
+            groups = list(self._inflight.values())
+            self._inflight.clear()
+            for g in groups:
+                self._decide(g, Fate.DROPPED_SHUTDOWN, reason, step)
+            return groups
 
     # --- trainer side ------------------------------------------------------------------------
     def form_batch(self, step: int, timeout: float | None = None) -> Batch | None:
@@ -144,6 +169,17 @@ class Pool:
         for group in selection.batch:
             self._pooled.remove(group)
             self._decide(group, Fate.CONSUMED, "", step)
+
+    def abandon(self, batch: Batch, reason: str) -> None:
+        """The training step on ``batch`` failed: its groups were not trained on. Consumed becomes
+        dropped_shutdown (their prompts go back to the sampler with the checkpoint)."""
+        with self._lock:
+            ids = {g.id for g in batch.groups}
+            self._decided = [g for g in self._decided if g.id not in ids]  # logged once, with the final fate
+            for g in batch.groups:
+                if g.fate is Fate.CONSUMED:
+                    self._counts[Fate.CONSUMED] -= 1
+                    self._decide(g, Fate.DROPPED_SHUTDOWN, reason, batch.step)
 
     def drain_decided(self) -> list[Group]:
         with self._lock:
@@ -177,6 +213,46 @@ class Pool:
         """Wake a waiting `form_batch` (e.g. so the trainer can notice a rollout failure)."""
         with self._arrived:
             self._arrived.notify_all()
+
+    # --- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs; groups in flight are counted as dropped_shutdown (the
+        resumed run logs them so, and their prompts go back to its sampler). Holds the live group
+        objects: pickle it before the rollout thread runs again."""
+        with self._lock:
+            counts = {f.value: n for f, n in self._counts.items()}
+            dropped = list(self._inflight.values())
+            counts[Fate.DROPPED_SHUTDOWN.value] = counts.get(Fate.DROPPED_SHUTDOWN.value, 0) + len(dropped)
+            return {
+                "pooled": list(self._pooled),
+                "dropped": dropped,
+                "decided": list(self._decided),  # decided since the last drain: not logged yet
+                "arrived": list(self._arrived_since),
+                "counts": counts,
+                "submitted": self.submitted,
+                "batches_formed": self.batches_formed,
+                "last_metrics": dict(self.last_metrics),
+                "policy": self.policy.state_dict(),
+            }
+
+    def load_state_dict(self, state: dict) -> list[Group]:
+        """Restore a checkpoint's pool. Returns the groups it counted as dropped_shutdown (in flight
+        at the checkpoint), now decided so and queued for logging: give their prompts back."""
+        with self._lock:
+            self._pooled = PoolColumns()
+            for g in state["pooled"]:
+                self._pooled.append(g)
+            self._inflight = {}
+            self._counts = Counter({Fate(k): n for k, n in state["counts"].items()})
+            self.submitted, self.batches_formed = state["submitted"], state["batches_formed"]
+            self.last_metrics = dict(state["last_metrics"])
+            self._decided = list(state["decided"])
+            self._arrived_since = list(state["arrived"])
+            for g in state["dropped"]:
+                g.fate, g.reason, g.step = Fate.DROPPED_SHUTDOWN, "checkpoint", self.batches_formed
+                self._decided.append(g)
+            self.policy.load_state_dict(state["policy"])
+            return list(state["dropped"])
 
     # --- accounting --------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:

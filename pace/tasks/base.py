@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -30,7 +31,10 @@ def with_chat_template(prompts: list[Prompt], tokenizer) -> list[Prompt]:
 
 
 class PromptSampler:
-    """Epoch-shuffled, endless walk over a prompt list. Its state is two ints (checkpointable)."""
+    """Epoch-shuffled, endless walk over a prompt list, checkpointable.
+
+    Prompts handed back with `give_back` (groups cut short by a stop) are drawn again first.
+    """
 
     def __init__(self, prompts: list[Prompt], seed: int = 0):
         if not prompts:
@@ -40,6 +44,8 @@ class PromptSampler:
         self.position = 0  # prompts drawn so far, over all epochs
         self._order: list[int] = []
         self._epoch = -1
+        self._returned: deque[str] = deque()  # prompt ids handed back, drawn before the walk goes on
+        self._index: dict[str, int] | None = None  # prompt id → position in `prompts`, built on demand
 
     def _order_for(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
@@ -49,13 +55,31 @@ class PromptSampler:
         return self._order
 
     def next(self) -> Prompt:
+        if self._returned:
+            return self.prompts[self._lookup(self._returned.popleft())]
         epoch, i = divmod(self.position, len(self.prompts))
         self.position += 1
         return self.prompts[self._order_for(epoch)[i]]
 
+    def give_back(self, prompt_ids: list[str]) -> None:
+        """Prompts whose groups were cut short: `next` returns them (in this order) before new ones."""
+        for pid in prompt_ids:
+            self._lookup(pid)  # an unknown id fails here, not when it is drawn
+        self._returned.extend(prompt_ids)
+
+    def _lookup(self, prompt_id: str) -> int:
+        if self._index is None:
+            self._index = {p.id: i for i, p in enumerate(self.prompts)}
+        try:
+            return self._index[prompt_id]
+        except KeyError:
+            raise ValueError(f"PromptSampler: prompt id {prompt_id!r} is not in the prompt list") from None
+
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "position": self.position}
+        return {"seed": self.seed, "position": self.position, "returned": list(self._returned)}
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.position = state["seed"], state["position"]
         self._epoch = -1
+        self._returned = deque()
+        self.give_back(state.get("returned", []))

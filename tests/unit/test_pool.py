@@ -456,3 +456,73 @@ def test_threaded_sync_batches_are_on_policy() -> None:
     assert not errors
     pool.check_accounting()
     assert pool.counts()["consumed"] == B * steps
+
+
+# ---------------------------------------------------------------- capacity, stop, checkpoint
+
+
+def test_capacity_blocks_admission_and_bounds_the_pool() -> None:
+    pool = Pool(AsyncPolicy(batch_prompts=2, max_inflight_groups=100), informative, capacity=5)
+    gid = 0
+    while pool.admits(0, 0):  # production far ahead of training
+        g = make_group(gid)
+        gid += 1
+        pool.on_submitted(g)
+        if gid % 2:
+            pool.add(g, 0)
+    assert gid == 5 and pool.capacity_blocked  # pooled + in flight reached the capacity
+    assert pool.occupancy + pool.inflight == 5
+    assert pool.form_batch(0, timeout=0) is not None  # the trainer takes B ...
+    assert pool.admits(0, 1) and not pool.capacity_blocked  # ... and production may go on
+    with pytest.raises(ValueError, match="capacity 1 is below the batch size 2"):
+        Pool(AsyncPolicy(batch_prompts=2, max_inflight_groups=4), informative, capacity=1)
+
+
+def test_drop_inflight_and_abandon_keep_the_accounting() -> None:
+    pool = make_pool(batch_prompts=2)
+    for gid in range(3):
+        submit_and_add(pool, make_group(gid))
+    for gid in (3, 4):
+        pool.on_submitted(make_group(gid))
+    batch = pool.form_batch(0, timeout=0)  # decided consumed: not drained (logged) yet
+    pool.abandon(batch, reason="training step failed: RuntimeError")  # the step on it failed
+    dropped = pool.drop_inflight(1, reason="stopped: SIGTERM")
+    assert sorted(g.id for g in dropped) == [3, 4]
+    c = pool.counts()
+    assert c["consumed"] == 0 and c["dropped_shutdown"] == 4 and c["pooled"] == 1 and c["inflight"] == 0
+    pool.check_accounting()
+    decided = pool.drain_decided()
+    assert len(decided) == 4  # each once, with its final fate
+    assert {g.id: g.fate for g in decided} == {0: Fate.DROPPED_SHUTDOWN, 1: Fate.DROPPED_SHUTDOWN,
+                                               3: Fate.DROPPED_SHUTDOWN, 4: Fate.DROPPED_SHUTDOWN}
+
+
+def test_state_dict_round_trip_counts_inflight_as_dropped() -> None:
+    import pickle
+
+    cfg = OmegaConf.create({"data": {"batch_prompts": 2}, "rollout": {"max_inflight_groups": 8},
+                            "pool": {"name": "pace", "max_lag": 4.0, "max_head_offpolicyness": 4},
+                            "pace": {"score": "effective", "gamma": 2.0, "target_pool": 2, "ema": 0.5, "score_window": 8}})
+    pool = Pool(build_policy(cfg), informative)
+    for gid in range(6):
+        submit_and_add(pool, make_group(gid, submitted_at=0), version=0)
+    pool.set_pfs(pool.remaining()[0], 0.3, 1)
+    pool.form_batch(2, timeout=0)  # ρ moves, groups are rejected / consumed
+    submit_and_add(pool, make_group(6, rewards=ALL_RIGHT))  # filtered, not drained yet
+    pool.on_submitted(make_group(7))  # in flight at the checkpoint
+    blob = pickle.dumps(pool.state_dict())
+
+    restored = Pool(build_policy(cfg), informative)
+    dropped = restored.load_state_dict(pickle.loads(blob))
+    assert [g.id for g in dropped] == [7] and dropped[0].fate is Fate.DROPPED_SHUTDOWN
+    assert [g.id for g in restored.remaining()] == [g.id for g in pool.remaining() if g.fate is Fate.POOLED]
+    assert restored.policy.controller.rho == pool.policy.controller.rho > 0
+    assert restored.policy.window.state_dict() == pool.policy.window.state_dict()
+    assert restored.batches_formed == pool.batches_formed and restored.submitted == pool.submitted == 8
+    c = restored.counts()
+    assert c["inflight"] == 0 and c["dropped_shutdown"] == 1 and c["filtered"] == 1
+    restored.check_accounting()
+    undrained = {g.id: g.fate for g in pool.drain_decided()}
+    assert {g.id: g.fate for g in restored.drain_decided()} == {**undrained, 7: Fate.DROPPED_SHUTDOWN}
+    # the restored pool goes on: same next batch as the original would form
+    assert [g.id for g in restored.form_batch(3, timeout=0).groups] == [g.id for g in pool.form_batch(3, timeout=0).groups]

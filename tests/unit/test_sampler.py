@@ -60,11 +60,26 @@ def test_state_dict_is_plain_and_does_not_alias() -> None:
     s = PromptSampler(prompts(5), seed=3)
     draw(s, 7)
     state = s.state_dict()
-    assert state == {"seed": 3, "position": 7}
+    assert state == {"seed": 3, "position": 7, "returned": []}
     draw(s, 2)
-    assert state == {"seed": 3, "position": 7}
+    assert state == {"seed": 3, "position": 7, "returned": []}
 
 
 def test_empty_prompt_list_raises() -> None:
     with pytest.raises(ValueError):
         PromptSampler([])
+
+
+def test_returned_prompts_come_first_and_survive_a_checkpoint() -> None:
+    prompts = [Prompt(f"p{i}", f"q{i}", str(i)) for i in range(10)]
+    a = PromptSampler(prompts, seed=3)
+    drawn = [a.next().id for _ in range(4)]
+    a.give_back([drawn[1], drawn[3]])  # two groups cut short
+    b = PromptSampler(prompts, seed=3)
+    b.load_state_dict(a.state_dict())
+    expected = [a.next().id for _ in range(8)]
+    assert expected[:2] == [drawn[1], drawn[3]] and not set(expected[2:]) & set(drawn[:4])
+    assert [b.next().id for _ in range(8)] == expected
+    assert b.position == 4 + 6  # returned prompts do not move the walk
+    with pytest.raises(ValueError, match="'nope' is not in the prompt list"):
+        a.give_back(["nope"])
