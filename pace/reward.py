@@ -212,8 +212,9 @@ def _math_verify(pred: str, gold: str, timeout: int | None) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
 
 
-def is_correct(response: str, gold: str, timeout_s: int | None = ANSWER_TIMEOUT_S) -> bool:
-    """Whether ``response``'s final answer equals ``gold``. Never raises.
+def check_answer(response: str, gold: str, timeout_s: int | None = ANSWER_TIMEOUT_S) -> bool | None:
+    """Whether ``response``'s final answer equals ``gold``; None if grading it failed (an
+    exception in extraction or math-verify). Never raises.
 
     Plain numbers on both sides are compared exactly; anything else goes to math-verify with
     ``timeout_s`` (whole seconds) on each parse/verify call. math-verify's timeout needs
@@ -235,12 +236,18 @@ def is_correct(response: str, gold: str, timeout_s: int | None = ANSWER_TIMEOUT_
     except BaseException as e:  # noqa: BLE001 - a reward must never crash the rollout
         if isinstance(e, KeyboardInterrupt | SystemExit):
             raise
-        return False
+        return None
 
 
-def grade_batch(responses: list[str], golds: list[str]) -> list[bool]:
-    """The default worker function: one job = one call, so one round trip per job."""
-    return [is_correct(r, g) for r, g in zip(responses, golds)]
+def is_correct(response: str, gold: str, timeout_s: int | None = ANSWER_TIMEOUT_S) -> bool:
+    """`check_answer` with a failure scored as wrong. Never raises."""
+    return bool(check_answer(response, gold, timeout_s))
+
+
+def grade_batch(responses: list[str], golds: list[str]) -> list[bool | None]:
+    """The default worker function: one job = one call, so one round trip per job. None marks an
+    answer whose grading failed: it scores wrong and counts under `reward/errors`."""
+    return [check_answer(r, g) for r, g in zip(responses, golds)]
 
 
 # ---------------------------------------------------------------- worker process side
@@ -337,7 +344,7 @@ class Grader:
 
     Outcomes per job: graded (scores from the worker), timeout (the worker overran: all-False,
     worker killed and replaced), error (the worker crashed or ``fn`` raised: all-False, replaced
-    if crashed). ``stats()`` counts *answers* under ``reward/graded``, ``reward/timeouts``,
+    if crashed); per answer, a None score from ``fn`` (its grading failed) is wrong and an error. ``stats()`` counts *answers* under ``reward/graded``, ``reward/timeouts``,
     ``reward/errors`` so their sum is the number of answers finished, plus ``reward/restarts``.
 
     A job's deadline starts when it is handed to an idle, warmed-up worker, so jobs queued behind
@@ -408,6 +415,14 @@ class Grader:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+    def state_dict(self) -> dict:
+        """The counters (a resumed run continues them)."""
+        return self.stats()
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self._counts.update({k: v for k, v in state.items() if k in self._counts})
 
     def close(self) -> None:
         """Stop the workers. Jobs not finished by now score all-False (not counted)."""
@@ -514,7 +529,9 @@ class Grader:
             log.warning("reward fn failed or returned a bad result: %r", exc or type(scores))
             self._fail(job, "reward/errors")
             return
-        self._counts["reward/graded"] += len(job)
+        failed = sum(s is None for s in scores)  # answers whose grading failed: wrong, counted
+        self._counts["reward/graded"] += len(job) - failed
+        self._counts["reward/errors"] += failed
         job._finish([bool(s) for s in scores])
 
     def _fail(self, job: GradeJob, counter: str) -> None:

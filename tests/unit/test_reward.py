@@ -258,3 +258,23 @@ def test_grader_default_fn_and_queued_jobs() -> None:
 def test_grader_rejects_unpicklable_fn() -> None:
     with pytest.raises(TypeError):
         Grader(fn=lambda r, g: [True] * len(r))
+
+
+def _some_answers_fail(responses: list[str], golds: list[str]) -> list:
+    return [True, None, False][: len(responses)]
+
+
+def test_a_failed_answer_scores_wrong_and_is_counted(monkeypatch) -> None:
+    import pace.reward as reward
+
+    def boom(*a, **k):
+        raise RecursionError("sympy blew up")
+
+    monkeypatch.setattr(reward, "_math_verify", boom)
+    assert reward.check_answer("Answer: \\frac{1}{2}", "\\frac{1}{2}") is None
+    assert reward.is_correct("Answer: \\frac{1}{2}", "\\frac{1}{2}") is False
+    assert reward.check_answer("Answer: 7", "7") is True  # the plain-number path never calls it
+    with Grader(workers=1, timeout_s=30, fn=_some_answers_fail) as g:
+        assert g.grade(["a", "b", "c"], ["1", "1", "1"]) == [True, False, False]
+        stats = g.stats()
+    assert stats["reward/graded"] == 2 and stats["reward/errors"] == 1
