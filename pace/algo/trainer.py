@@ -5,6 +5,9 @@ version increments once per step. The batch is formed on rank 0 and scattered: e
 contiguous share of trajectories, and the loss is normalised by the token count of the whole
 mini-batch across ranks (token-level loss, DESIGN §4), so the result does not depend on the
 number of ranks or micro-batches.
+
+An update whose gradient norm or loss is not finite is skipped (no optimizer or LR-schedule step)
+and counted (`train/nonfinite_skipped`); the version still advances, with unchanged weights.
 """
 from __future__ import annotations
 
@@ -99,6 +102,10 @@ class DAPOTrainer:
         self.loss_fn = build_loss(cfg.algo)  # chosen once, from config
         self.proximal = cfg.algo.ratio_ref == "proximal"
         self.version = 0
+        self.nonfinite_skipped = 0  # updates skipped for a non-finite loss or gradient, over the run
+        # True from the first optimizer update of a step until the step completes: a failure then
+        # leaves the weights between two versions, and no checkpoint can be taken of them.
+        self.mid_step = False
 
     # --- one training step ----------------------------------------------------------------
     def step(self, batch: Batch | None) -> dict[str, float]:
@@ -121,12 +128,13 @@ class DAPOTrainer:
             shares.append(pairs[self.acc.process_index :: self.acc.num_processes])
         prox = self._proximal_logprobs([pair for share in shares for pair in share]) if self.proximal else None
         self.model.train()
-        totals = {"loss": 0.0, "clipped": 0.0, "tokens": 0.0, "entropy": 0.0, "ratio": 0.0, "grad_norm": 0.0}
+        totals = dict.fromkeys(("loss", "clipped", "tokens", "entropy", "ratio", "grad_norm", "skipped"), 0.0)
         for mine in shares:
             stats = self._update(mine, prox)
             for k in totals:
                 totals[k] += stats[k]
         self.version += 1
+        self.mid_step = False
         tokens = max(totals["tokens"], 1.0)
         return {
             "train/loss": totals["loss"] / n_mini,
@@ -135,6 +143,7 @@ class DAPOTrainer:
             "train/ratio_mean": totals["ratio"] / tokens,
             "train/grad_norm": totals["grad_norm"] / n_mini,
             "train/lr": self.scheduler.get_last_lr()[0],
+            "train/nonfinite_skipped": int(totals["skipped"]),
             "time/train": time.perf_counter() - t0,
         }
 
@@ -182,12 +191,21 @@ class DAPOTrainer:
             stats["tokens"] += mask.sum().item()
             stats["entropy"] += (entropy * mask).sum().item()
             stats["ratio"] += out.ratio_sum.item()
-        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
+        grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip))
+        bad = torch.tensor(float(not (math.isfinite(grad_norm) and math.isfinite(stats["loss"]))), device=self.acc.device)
+        if self.acc.num_processes > 1:  # every rank must take the same decision
+            bad = self.acc.reduce(bad, reduction="sum")
+        if bad.item() == 0:
+            self.mid_step = True
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self.nonfinite_skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
-        stats["grad_norm"] = float(grad_norm)
-        return self._reduce(stats)
+        stats["grad_norm"] = grad_norm
+        stats = self._reduce(stats)
+        stats["skipped"] = float(bad.item() > 0)
+        return stats
 
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         if self.acc.num_processes == 1:
@@ -197,6 +215,23 @@ class DAPOTrainer:
         out = dict(zip(keys, t.tolist()))
         out["grad_norm"] = stats["grad_norm"]
         return out
+
+    # --- checkpoint ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"version": self.version, "nonfinite_skipped": self.nonfinite_skipped}
+
+    def save(self, path) -> None:
+        """Weights, optimizer, LR schedule and RNG states (Accelerate; every rank calls it)."""
+        self.acc.save_state(str(path))
+
+    def load(self, path) -> None:
+        """Every rank: restore what `save` wrote, and the version and counters from meta.json."""
+        import json
+        from pathlib import Path
+
+        self.acc.load_state(str(path))
+        state = json.loads((Path(path) / "meta.json").read_text())["trainer"]
+        self.version, self.nonfinite_skipped = state["version"], state["nonfinite_skipped"]
 
     # --- weight sync ----------------------------------------------------------------------
     def full_state_dict(self) -> list[tuple[str, torch.Tensor]] | None:

@@ -86,3 +86,60 @@ def test_full_state_dict_matches_model_and_is_a_copy(setup):
     for name, tensor in model.state_dict().items():
         assert torch.equal(weights[name], tensor)
         assert weights[name].data_ptr() != tensor.data_ptr()
+
+
+def test_nonfinite_loss_skips_the_update_and_counts_it(setup):
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    from pace.algo.trainer import DAPOTrainer
+
+    path, cfg, _ = setup
+    trainer = DAPOTrainer(path, cfg, Accelerator(cpu=True))
+    model = trainer.acc.unwrap_model(trainer.model)
+    good = _batch(AutoTokenizer.from_pretrained(path), model, 1.0)
+    trainer.step(good)  # Adam has state and the schedule has moved once
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    adam = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
+    lr = trainer.scheduler.get_last_lr()[0]
+
+    bad = _batch(AutoTokenizer.from_pretrained(path), model, float("nan"))  # NaN advantages → NaN loss
+    metrics = trainer.step(bad)
+
+    assert metrics["train/nonfinite_skipped"] == 1 and trainer.nonfinite_skipped == 1
+    assert trainer.version == 2  # the version advances, with θ unchanged
+    assert all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(v, adam[k]) for k, v in trainer.optimizer.state_dict()["state"][0].items())
+    assert trainer.scheduler.get_last_lr()[0] == lr
+    assert all(p.grad is None for p in model.parameters())  # nothing left over for the next step
+    assert trainer.step(good)["train/nonfinite_skipped"] == 0
+    assert not all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+
+
+def test_save_and_load_restore_weights_optimizer_schedule_and_rng(setup, tmp_path):
+    import json
+
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    from pace.algo.trainer import DAPOTrainer
+
+    path, cfg, _ = setup
+    tok = AutoTokenizer.from_pretrained(path)
+    a = DAPOTrainer(path, cfg, Accelerator(cpu=True))
+    batch = _batch(tok, a.acc.unwrap_model(a.model), 1.0)
+    for _ in range(2):
+        a.step(batch)
+    a.save(tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({"trainer": a.state_dict()}))
+    rng = torch.rand(3)  # what the RNG gives right after the save
+
+    b = DAPOTrainer(path, cfg, Accelerator(cpu=True))
+    b.load(tmp_path)
+    assert torch.equal(torch.rand(3), rng)
+    assert b.version == 2 and b.scheduler.get_last_lr() == a.scheduler.get_last_lr()
+    ma, mb = a.acc.unwrap_model(a.model), b.acc.unwrap_model(b.model)
+    assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
+    # one more identical step from both: same weights (the AdamW moments were restored too)
+    a.step(batch), b.step(batch)
+    assert all(torch.equal(p, q) for p, q in zip(ma.parameters(), mb.parameters()))
