@@ -17,8 +17,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from pace import checkpoint as ckpt
 from pace.config import ConfigError, register, validate
 from pace.records import Fate
+from pace.rollout.worker import RolloutError
 
 register()
 
@@ -127,58 +129,48 @@ def step_metrics(batch, pool, decided, t_wait: float) -> dict:
     }
 
 
-def wait_for_batch(pool, rollout, step: int):
-    """Block until the pool policy forms batch `step`; re-raise a rollout failure within 0.5 s."""
-    while True:
+def wait_for_batch(pool, rollout, step: int, stop: StopSignal):
+    """Block until the pool policy forms batch `step`; re-raise a rollout failure within 0.5 s.
+    None once a stop is requested (no batch is formed then)."""
+    while not stop.requested:
+        rollout.check()  # before forming: a batch once formed is trained on (or counted as dropped)
         batch = pool.form_batch(step, timeout=0.5)
-        rollout.check()
         if batch is not None:
             return batch
+    return None
 
 
-class Validations:
-    """Finished in-training validations: each is offered to the best checkpoint on arrival and
-    logged in the next step's row (one per row, so a wandb step never holds two)."""
+class StopSignal:
+    """SIGTERM (preemption, `kill`) or SIGINT (Ctrl-C): the first lets the step in progress finish,
+    then the run checkpoints and exits with 128 + the signal number; a second stops at once,
+    without a checkpoint."""
 
-    def __init__(self, rollout, best, cfg):
-        self.rollout, self.best, self.k = rollout, best, cfg.eval.k
-        self.final_version = cfg.trainer.steps
-        self._rows: list[dict] = []
+    def __init__(self):
+        self.signum: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
 
-    def poll(self) -> None:
-        from pace.validation import val_metrics
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after the step in progress, then checkpointing "
+              "(send it again to stop at once, without a checkpoint)", file=sys.stderr, flush=True)
 
-        for result in self.rollout.drain_validations():
-            metrics = val_metrics(result, self.k)
-            metrics["val/best"] = float(self.best.offer(result, metrics["val/avg"]))
-            self._rows.append(metrics)
-            tqdm_write(f"validation of θ_{result.version}: avg mean@{self.k} = {metrics['val/avg']:.3f}"
-                       f" in {result.seconds:.1f} s{' (best so far)' if metrics['val/best'] else ''}")
-
-    def next_row(self) -> dict:
-        self.poll()
-        return self._rows.pop(0) if self._rows else {}
-
-    def finish(self, logger, step: int) -> None:
-        """Wait for θ_steps's validation (the rollout starts no groups once training is done) and
-        log what is left, one row per validation from step ``step`` on."""
-        while not any(v["version"] == self.final_version for v in self.best.history):
-            self.rollout.check()
-            time.sleep(0.05)
-            self.poll()
-        for i, row in enumerate(self._rows):
-            logger.log(step + i, row)
-        self._rows.clear()
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
 
-def tqdm_write(msg: str) -> None:
-    from tqdm import tqdm
+def rank0_decides(accelerator, flag: bool) -> bool:
+    """Rank 0's value of ``flag`` on every rank (stop or go, taken together)."""
+    if accelerator.num_processes == 1:
+        return flag
+    from accelerate.utils import broadcast_object_list
 
-    tqdm.write(msg, file=sys.stderr)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    box = [flag]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
@@ -191,6 +183,12 @@ def main(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig) -> None:
+    checkpoint = None
+    if cfg.resume is not None:  # continue a run: its config, its directory, its wandb run
+        from hydra.core.hydra_config import HydraConfig
+
+        checkpoint = ckpt.resolve(cfg.resume)
+        cfg = ckpt.resume_config(cfg, checkpoint, list(HydraConfig.get().overrides.task))
     validate(cfg)
     device = resolve_device(cfg)
 
@@ -207,7 +205,10 @@ def run(cfg: DictConfig) -> None:
     accelerator = Accelerator(cpu=device == "cpu")
     set_seed(cfg.seed)
     main_rank = accelerator.is_main_process
-    run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    if checkpoint is not None:
+        run_dir = ckpt.run_dir_of(checkpoint)
+    else:
+        run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     progress = cfg.logger.progress and main_rank
 
     with accelerator.main_process_first():  # rank 0 builds the tiny model once; the others reuse it
@@ -221,8 +222,10 @@ def run(cfg: DictConfig) -> None:
     from pace.algo.trainer import DAPOTrainer
 
     trainer = DAPOTrainer(model_path, cfg, accelerator)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints)
 
-    rollout = pool = logger = llm = grader = best = validations = None
+    rollout = pool = logger = llm = grader = best = validations = parts = None
     if main_rank:
         from pace.algo.advantages import is_informative
         from pace.logger import RunLogger
@@ -233,13 +236,14 @@ def run(cfg: DictConfig) -> None:
 
         sampler = PromptSampler(prompts, seed=cfg.data.seed)
         metric = (lambda t: float(t.correct)) if cfg.algo.filter_on == "acc" else (lambda t: t.reward)
-        pool = Pool(build_policy(cfg), informative=lambda g: is_informative([metric(t) for t in g.trajectories]))
+        pool = Pool(build_policy(cfg), informative=lambda g: is_informative([metric(t) for t in g.trajectories]),
+                    capacity=cfg.pool.capacity)
         grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
         llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
-        val_sets = best = None
+        val_sets = None
         if cfg.eval.every > 0:  # in-training validation on the rollout engine
             from pace.evaluation import sets_from_config
-            from pace.validation import BestCheckpoint
+            from pace.validation import BestCheckpoint, Validations
 
             val_sets = sets_from_config(cfg, tokenizer)
             if cfg.eval.val_max_problems is not None:
@@ -247,40 +251,60 @@ def run(cfg: DictConfig) -> None:
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:
-            validations = Validations(rollout, best, cfg)
-        logger = RunLogger(cfg, run_dir, OmegaConf.to_container(cfg, resolve=True), group=default_group(cfg))
+            validations = Validations(rollout, best, cfg.eval.k, cfg.trainer.steps)
+        state = ckpt.load_state(checkpoint) if checkpoint is not None else None
+        logger = RunLogger(cfg, run_dir, config, group=default_group(cfg), resume=state and state["logger"])
+        parts = ckpt.RunParts(pool, sampler, rollout, grader, logger, validations)
+        if state is not None:
+            dropped = ckpt.restore(state, parts)
+            print(f"resuming {run_dir} from {checkpoint.name}: {pool.occupancy} pooled groups, "
+                  f"{len(dropped)} in flight at the checkpoint dropped (prompts returned)", file=sys.stderr)
         print(f"run directory: {run_dir}", file=sys.stderr)
+    if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
+        trainer.load(checkpoint)
+        weights = trainer.full_state_dict()  # collective under FSDP
+        if main_rank:
+            rollout.post_weights(trainer.version, weights)  # the engine starts from θ_version
+    if main_rank:
+        rollout.set_trainer_version(trainer.version)
         rollout.start()
 
-    signal.signal(signal.SIGTERM, _interrupt)  # preemption / `kill` stops the loop like Ctrl-C
+    stop = StopSignal()
 
     # --- the loop: pool → train → sync → log -------------------------------------------------
     from tqdm import tqdm
 
-    bar = tqdm(range(cfg.trainer.steps), desc=cfg.exp_name, disable=not progress, dynamic_ncols=True)
-    status = "finished"
+    bar = tqdm(range(trainer.version, cfg.trainer.steps), desc=cfg.exp_name, disable=not progress,
+               dynamic_ncols=True, initial=trainer.version, total=cfg.trainer.steps)
+    status, failure, batch, saved = "finished", None, None, None
     try:
         for step in bar:
             t_step = time.perf_counter()
-            batch = wait_for_batch(pool, rollout, step) if main_rank else None
+            batch = None
+            if main_rank:
+                try:
+                    batch = wait_for_batch(pool, rollout, step, stop)
+                except RolloutError as exc:  # the rollout (or grading) died: stop together, checkpoint
+                    failure = exc
+            if rank0_decides(accelerator, batch is None if main_rank else False):
+                break
             t_wait = time.perf_counter() - t_step
 
             metrics = trainer.step(batch)
             if main_rank:
                 rollout.set_trainer_version(trainer.version)  # θ_{step+1} exists from here on
+            batch_done, batch = batch, None  # trained: a failure from here on does not undo it
 
-            t_sync = time.perf_counter()
+            t_sync, weights = time.perf_counter(), None
             if trainer.version % cfg.rollout.sync_every == 0 or trainer.version == cfg.trainer.steps:
                 weights = trainer.full_state_dict()  # collective under FSDP: every rank calls it
-                if main_rank:
-                    rollout.post_weights(trainer.version, weights)
             metrics["time/sync"] = time.perf_counter() - t_sync
 
             if main_rank:
                 if validations is not None:
                     metrics.update(validations.next_row())
                 decided = pool.drain_decided()
-                metrics.update(step_metrics(batch, pool, decided, t_wait))
+                metrics.update(step_metrics(batch_done, pool, decided, t_wait))
                 metrics["time/step"] = time.perf_counter() - t_step
                 metrics.update(rollout.metrics())
                 metrics.update(grader.stats())  # reward/{graded,timeouts,errors,restarts}
@@ -292,30 +316,82 @@ def run(cfg: DictConfig) -> None:
                     K=f"{metrics['staleness/k_mean']:.2f}",
                     wait=f"{t_wait:.1f}s",
                 )
-        if validations is not None:  # the final weights' validation, logged after the last step
-            validations.finish(logger, cfg.trainer.steps)
-    except KeyboardInterrupt:
+            if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0 and trainer.version < cfg.trainer.steps:
+                checkpointer.save(f"every {cfg.trainer.save_every} steps", parts)
+            if main_rank and weights is not None:  # after the checkpoint: a sync run has nothing in flight in it
+                rollout.post_weights(trainer.version, weights)
+        else:
+            if validations is not None:  # the final weights' validation, logged after the last step
+                validations.finish(logger, cfg.trainer.steps, stop=lambda: stop.requested)
+            if cfg.trainer.save_every:
+                checkpointer.save("end of training", parts)
+        if stop.requested or failure is not None:
+            status = "failed" if failure is not None else "interrupted"
+            why = f"rollout failure: {type(failure.__cause__).__name__}" if failure else signal.Signals(stop.signum).name
+            saved = stop_and_checkpoint(checkpointer, parts, trainer.version, why)
+        if failure is not None:
+            raise failure
+    except KeyboardInterrupt:  # a second signal: stop now, no checkpoint
         status = "interrupted"
-        print("\ninterrupted: stopping the rollout and shutting the engine down", file=sys.stderr)
-    except BaseException:
+        print("\ninterrupted: stopping the rollout and shutting the engine down (no checkpoint)", file=sys.stderr)
+    except BaseException as exc:
         status = "failed"
+        if saved is None and failure is None:  # the trainer (or the loop) failed
+            saved = checkpoint_after_failure(checkpointer, parts, trainer, batch, exc, accelerator)
         raise
     finally:
         bar.close()
         if main_rank:
             rollout.stop()
             grader.close()
+            if saved is None:  # nothing went into a checkpoint: log what is left as pooled/in flight
+                logger.log_groups(pool.drain_decided(), step=-1)
             counts = pool.counts()
-            summary = {"status": status, "steps": trainer.version, "fates": counts, "rollout": dict(rollout.stats)}
+            summary = {"status": status, "steps": trainer.version, "fates": counts, "rollout": dict(rollout.stats),
+                       "train/nonfinite_skipped": trainer.nonfinite_skipped,
+                       "checkpoint": str(saved or checkpointer.last) if (saved or checkpointer.last) else None,
+                       "resumed_from": str(checkpoint) if checkpoint is not None else None}
             if best is not None:
                 summary.update(best.summary())
-            logger.log_groups(pool.drain_decided(), step=-1)
-            logger.close(pool.remaining(), summary)
+            logger.close(pool.remaining() if saved is None else [], summary)
             engine_lib.shutdown(llm)
             pool.check_accounting()
             print(f"{status}: {trainer.version} steps, fates {counts}, logs in {run_dir}", file=sys.stderr)
+    if stop.requested:
+        if saved is not None:
+            print(f"resume with: python train.py resume={run_dir}", file=sys.stderr)
+        sys.exit(128 + stop.signum)
     if status == "interrupted":
         sys.exit(130)
+
+
+def stop_and_checkpoint(checkpointer, parts, version: int, why: str):
+    """Stop the rollout, drop what is in flight (prompts back to the sampler), checkpoint θ_version.
+    Every rank calls it."""
+    if parts is not None:
+        parts.rollout.stop()
+        dropped = parts.pool.drop_inflight(version, reason=f"stopped: {why}")
+        parts.sampler.give_back([g.prompt_id for g in dropped])
+        parts.logger.log_groups(parts.pool.drain_decided(), step=-1)
+    return checkpointer.save(why, parts)
+
+
+def checkpoint_after_failure(checkpointer, parts, trainer, batch, exc, accelerator):
+    """A failure in the training step or the loop: checkpoint if the state is consistent (one
+    process, and no update of the failed step applied); the failed step's batch is not trained
+    on, so its groups become dropped_shutdown and their prompts go back to the sampler."""
+    if accelerator.num_processes > 1 or trainer.mid_step:
+        why = "several processes" if accelerator.num_processes > 1 else "the weights are between two versions"
+        print(f"no checkpoint after the failure ({why}); the last one: {checkpointer.last}", file=sys.stderr)
+        return None
+    try:
+        if batch is not None and parts is not None:
+            parts.pool.abandon(batch, reason=f"training step failed: {type(exc).__name__}")
+            parts.sampler.give_back([g.prompt_id for g in batch.groups])
+        return stop_and_checkpoint(checkpointer, parts, trainer.version, f"failure: {type(exc).__name__}")
+    except Exception as save_exc:  # noqa: BLE001 - the original failure is what must surface
+        print(f"could not write a checkpoint after the failure: {save_exc!r}", file=sys.stderr)
+        return None
 
 
 if __name__ == "__main__":

@@ -76,6 +76,10 @@ class PoolConfig:
     name: str = "async"  # sync | async | stale_k | gate | pace
     max_lag: float = 4.0  # stale_k: drop at consumption when K > max_lag
     max_head_offpolicyness: int = 4  # gate: η, generation at most η batches ahead of training
+    # Hard cap on pooled + in-flight groups (every policy): at capacity no group starts until the
+    # trainer takes some (back-pressure; nothing is discarded; `rollout/capacity_wait_s`), so host
+    # memory stays bounded when production outruns training. null: no cap.
+    capacity: Optional[int] = 1024
 
 
 @dataclass
@@ -114,6 +118,10 @@ class TrainerConfig:
     mini_batches: int = 1  # optimizer updates per training step
     micro_batch_size: int = 64  # sequences per forward/backward
     cpu_threads: int = 1  # torch intra-op threads of the trainer on CPU
+    # Checkpoint every N steps and after the last (0: only when stopped by SIGTERM/SIGINT or a
+    # failure); <run>/checkpoints/step-N, the newest `keep_checkpoints` kept. See pace/checkpoint.py.
+    save_every: int = 0
+    keep_checkpoints: int = 2
 
 
 @dataclass
@@ -148,6 +156,9 @@ class Config:
     exp_name: str = "default"
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
+    # A checkpoint directory, or a run directory (its newest checkpoint): continue that run, in its
+    # directory and wandb run, with its config (only pace.checkpoint.RESUMABLE keys may change).
+    resume: Optional[str] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -215,6 +226,13 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("pool.name=sync trains on-policy: it needs rollout.sync_every=1")
     if cfg.pace.target_pool is not None and cfg.pace.target_pool < cfg.data.batch_prompts:
         raise ConfigError("pace.target_pool must be >= data.batch_prompts (the trainer needs B groups)")
+    cap = cfg.pool.capacity
+    if cap is not None and cap < cfg.data.batch_prompts:
+        raise ConfigError(f"pool.capacity={cap} is below data.batch_prompts={cfg.data.batch_prompts}: a batch could never form")
+    if cap is not None and cfg.pool.name == "pace" and (cfg.pace.target_pool or cfg.data.batch_prompts) > cap:
+        raise ConfigError(f"pace.target_pool={cfg.pace.target_pool} is above pool.capacity={cap}: the target is unreachable")
+    if cfg.trainer.save_every < 0 or cfg.trainer.keep_checkpoints < 1:
+        raise ConfigError("trainer.save_every must be >= 0 (0: only on stop/failure) and trainer.keep_checkpoints >= 1")
     if not 0 <= cfg.pace.ema < 1:
         raise ConfigError(f"pace.ema must be in [0, 1), got {cfg.pace.ema}")
     if cfg.pace.gamma < 0 or cfg.pace.score_window < 1 or cfg.pace.prefix_tokens < 1:

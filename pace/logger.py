@@ -78,6 +78,10 @@ def group_row(group: Group) -> dict:
     return row
 
 
+def _count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def resolve_wandb_mode(mode: str) -> str:
     """`online` without credentials becomes `offline` (never an interactive prompt)."""
     if mode != "online":
@@ -95,11 +99,18 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 class RunLogger:
-    def __init__(self, cfg, run_dir: str | Path, config_dict: dict, group: str | None = None):
+    """``resume``: the `state_dict` of a checkpoint. The run directory is rewound to it (metrics
+    rows and Parquet parts written after it are removed: the resumed run writes them again) and
+    the same wandb run continues (wandb keeps rows it already has for a step)."""
+
+    def __init__(self, cfg, run_dir: str | Path, config_dict: dict, group: str | None = None, resume: dict | None = None):
         self.dir = Path(run_dir)
         (self.dir / "groups").mkdir(parents=True, exist_ok=True)
         self.flush_every = cfg.logger.flush_every
+        if resume is not None:
+            self._rewind(resume)
         self._metrics = open(self.dir / "metrics.jsonl", "a")
+        self._lines = resume["metrics_rows"] if resume is not None else _count_lines(self.dir / "metrics.jsonl")
         self._rows: list[dict] = []
         self._part = len(list((self.dir / "groups").glob("part-*.parquet")))
         self.mode = resolve_wandb_mode(cfg.logger.mode)
@@ -108,7 +119,10 @@ class RunLogger:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
+            wandb_id = resume.get("wandb_id") if resume is not None else None
             self.run = wandb.init(
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
                 project=cfg.logger.project,
                 group=group or cfg.logger.group,
                 name=cfg.logger.name or cfg.exp_name,
@@ -119,10 +133,24 @@ class RunLogger:
                 settings=wandb.Settings(console="off", init_timeout=120),
             )
 
+    def state_dict(self) -> dict:
+        """Where the records stand (call `flush` first, as a checkpoint does)."""
+        return {"metrics_rows": self._lines, "parts": self._part, "wandb_id": None if self.run is None else self.run.id}
+
+    def _rewind(self, state: dict) -> None:
+        path = self.dir / "metrics.jsonl"
+        if path.exists():
+            lines = path.read_text().splitlines(keepends=True)
+            path.write_text("".join(lines[: state["metrics_rows"]]))
+        for part in (self.dir / "groups").glob("part-*.parquet"):
+            if int(part.stem.split("-")[1]) >= state["parts"]:
+                part.unlink()
+
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **metrics}
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
+        self._lines += 1
         if self.run is not None:
             self.run.log(metrics, step=step)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import time
 from pathlib import Path
 
 from pace.evaluation import summarize
@@ -79,3 +81,52 @@ class BestCheckpoint:
 
     def summary(self) -> dict:
         return {"best": self.best, "best_within": self.within, "validations": self.history}
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.history = state["best"], list(state["history"])
+
+
+class Validations:
+    """Finished in-training validations on the trainer side: each is offered to the best
+    checkpoint on arrival and logged in the next step's row (one per row, so a wandb step never
+    holds two)."""
+
+    def __init__(self, rollout, best: BestCheckpoint, k: int, final_version: int):
+        self.rollout, self.best, self.k = rollout, best, k
+        self.final_version = final_version
+        self._rows: list[dict] = []
+
+    def poll(self) -> None:
+        from tqdm import tqdm
+
+        for result in self.rollout.drain_validations():
+            metrics = val_metrics(result, self.k)
+            metrics["val/best"] = float(self.best.offer(result, metrics["val/avg"]))
+            self._rows.append(metrics)
+            tqdm.write(f"validation of θ_{result.version}: avg mean@{self.k} = {metrics['val/avg']:.3f}"
+                       f" in {result.seconds:.1f} s{' (best so far)' if metrics['val/best'] else ''}", file=sys.stderr)
+
+    def next_row(self) -> dict:
+        self.poll()
+        return self._rows.pop(0) if self._rows else {}
+
+    def finish(self, logger, step: int, stop=lambda: False) -> None:
+        """Wait for θ_final's validation (the rollout starts no groups once training is done) and
+        log what is left, one row per validation from step ``step`` on. ``stop()`` ends the wait."""
+        while self.rollout.validated_version != self.final_version and not stop():
+            self.rollout.check()
+            time.sleep(0.05)
+        self.poll()
+        for i, row in enumerate(self._rows):
+            logger.log(step + i, row)
+        self._rows.clear()
+
+    def state_dict(self) -> dict:
+        return {"rows": list(self._rows), "best": self.best.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rows = list(state["rows"])
+        self.best.load_state_dict(state["best"])

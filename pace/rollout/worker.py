@@ -11,9 +11,12 @@ Loop, one engine step at a time:
     updates until it is graded, so every validation sample comes from θ_v exactly
 
 An exception here is stored in `error` and the trainer re-raises it within one poll interval.
+A checkpoint is taken while the thread is `paused()` between engine steps, so the pool, the
+sampler and the group ids it records are one consistent moment.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -89,13 +92,15 @@ class RolloutWorker(threading.Thread):
         self.error_traceback = ""
         self._stopping = threading.Event()
         self._wake = threading.Event()
+        self._pause_req = threading.Event()  # the trainer thread asks for a pause (checkpoint)
+        self._paused = threading.Event()  # this thread acknowledges it, between engine steps
         self._update_lock = threading.Lock()
         self._update: tuple[int, list] | None = None
         self._pending: dict[int, _Pending] = {}
         self._grading: deque[tuple[Group, object]] = deque()
         self._next_group_id = 0
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
-                      "rescore_seqs": 0, "rescore_skipped": 0}
+                      "rescore_seqs": 0, "rescore_skipped": 0, "capacity_wait_s": 0.0}
         # PACE: rescore pooled prefixes after each update (only the pace policy reads PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if cfg.pool.name == "pace" else 0
         self._rescoring: dict[int, _Rescore] = {}
@@ -108,6 +113,7 @@ class RolloutWorker(threading.Thread):
         self.validations: queue.Queue[Validation] = queue.Queue()
         self._val_next = 0 if cfg.eval.at_start else cfg.eval.every
         self._val = None  # (EvalRun, version, weights, start time) while one runs
+        self.validated_version: int | None = None  # the last version whose validation was handed over
 
     # --- called from the trainer thread -----------------------------------------------------
     def post_weights(self, version: int, named_tensors: list) -> None:
@@ -119,6 +125,34 @@ class RolloutWorker(threading.Thread):
     def set_trainer_version(self, version: int) -> None:
         self.trainer_version = version
         self._wake.set()
+
+    @contextlib.contextmanager
+    def paused(self, timeout: float = 60.0):
+        """Hold the thread between engine steps for the duration (a checkpoint reads the pool, the
+        sampler and this worker's counters as of one moment). A dead or unstarted thread is idle."""
+        self._pause_req.set()
+        self._wake.set()
+        try:
+            deadline = time.monotonic() + timeout
+            while self.is_alive() and not self._paused.wait(0.05):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout thread did not pause within {timeout:.0f} s")
+            yield
+        finally:
+            self._pause_req.clear()
+            self._wake.set()
+
+    def state_dict(self) -> dict:
+        """Call while `paused()`: the next group id, the validation schedule, the counters."""
+        val_next = self._val_next if self._val is None else self._val[1]  # an unfinished validation is redone
+        return {"next_group_id": self._next_group_id, "val_next": val_next, "stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before `start()`."""
+        self._next_group_id = state["next_group_id"]
+        self._val_next = state["val_next"]
+        self.stats.update(state["stats"])
+        self._last = (time.perf_counter(), dict(self.stats))
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
@@ -145,6 +179,8 @@ class RolloutWorker(threading.Thread):
             # (generated entirely by the loaded weights: distance 0)
             "rollout/rescore_seqs": s["rescore_seqs"] - last["rescore_seqs"],
             "rollout/rescore_skipped": s["rescore_skipped"] - last["rescore_skipped"],
+            # wall time in the interval when no group could start because the pool was full
+            "rollout/capacity_wait_s": s["capacity_wait_s"] - last["capacity_wait_s"],
         }
 
     def check(self) -> None:
@@ -164,6 +200,14 @@ class RolloutWorker(threading.Thread):
                 torch._C.set_num_threads(self.cpu_threads)
             self._maybe_validate(None)  # θ_0, when `eval.at_start`
             while not self._stopping.is_set():
+                if self._pause_req.is_set():
+                    self._paused.set()
+                    while self._pause_req.is_set() and not self._stopping.is_set():
+                        self._wake.wait(0.01)
+                        self._wake.clear()
+                    self._paused.clear()
+                    continue
+                t_loop = time.perf_counter()
                 busy = self._apply_update()
                 busy |= self._admit()
                 if self.engine.has_unfinished_requests():
@@ -177,6 +221,8 @@ class RolloutWorker(threading.Thread):
                 if not busy:
                     self._wake.wait(0.01)
                     self._wake.clear()
+                if self.pool.capacity_blocked:
+                    self.stats["capacity_wait_s"] += time.perf_counter() - t_loop
         except BaseException as exc:  # noqa: BLE001 - everything must reach the trainer
             self.error, self.error_traceback = exc, traceback.format_exc()
             self.pool.wake()
@@ -224,9 +270,9 @@ class RolloutWorker(threading.Thread):
         self._val = None
         if self.engine_version != version:  # the hold in _apply_update guarantees this
             raise RuntimeError(f"validation of θ_{version} ran into a weight update (engine at θ_{self.engine_version})")
-        results: dict = run.results
         response_len = sum(run.lengths) / max(len(run.lengths), 1)
-        self.validations.put(Validation(version, results, time.perf_counter() - t0, response_len, weights))
+        self.validations.put(Validation(version, run.results, time.perf_counter() - t0, response_len, weights))
+        self.validated_version = version
         self._wake.set()
         return True
 

@@ -32,7 +32,8 @@ def test_loss_and_gradient_do_not_depend_on_world_size(tiny_model_path):
 
 def test_two_process_train_run(tiny_model_path, tmp_path):
     cmd = [*LAUNCH, "--num_processes", "2", str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=3", "data.batch_prompts=8", "rollout.max_inflight_groups=16",
-           "eval.every=2", "data.arithmetic.n_val=40", "logger.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path}"]
+           "eval.every=2", "data.arithmetic.n_val=40", "logger.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path}",
+           "trainer.save_every=2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -42,3 +43,17 @@ def test_two_process_train_run(tiny_model_path, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rollout"]["syncs"] >= 2
     assert summary["best"]["version"] in (0, 2, 3)
+
+    # both ranks wrote their part of each checkpoint (RNG states per rank); rank 0 the run state
+    for step in (2, 3):
+        ckpt = tmp_path / "checkpoints" / f"step-{step:06d}"
+        assert {"run_state.pkl", "random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= {p.name for p in ckpt.iterdir()}
+    # and both resume from one: rank 0 restores the pool, every rank the trainer
+    resume = [*LAUNCH, "--num_processes", "2", str(ROOT / "train.py"), f"resume={tmp_path / 'checkpoints' / 'step-000002'}",
+              "logger.progress=false", f"hydra.run.dir={tmp_path / 'resume-hydra'}"]
+    proc = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [0, 1, 2]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 3 and summary["resumed_from"].endswith("step-000002")

@@ -119,10 +119,15 @@ def test_sigint_stops_cleanly(tiny_model_path, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
     assert time.time() - t0 < 30
-    assert "interrupted" in err
+    assert "interrupted" in err and "resume with: python train.py resume=" in err
     _, groups, summary = _read(tmp_path)
     assert summary["status"] == "interrupted"
-    _check_accounting(groups, summary)
+    assert (tmp_path / "checkpoints" / f"step-{summary['steps']:06d}" / "run_state.pkl").exists()
+    # pooled groups live on in the checkpoint (the resumed run logs them); in-flight ones were dropped
+    fates = summary["fates"]
+    assert fates["inflight"] == 0 and fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted")
+    assert len(groups) == fates["submitted"] - fates["pooled"] and groups["id"].is_unique
+    assert (groups.fate == "dropped_shutdown").sum() == fates["dropped_shutdown"]
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,11 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["eval.best_within=-1"], "eval.best_within"),
         (["eval.val_max_problems=0"], "eval.val_max_problems"),
         (["eval.top_p=1.5"], "eval.top_p"),
+        (["pool.capacity=16", "data.batch_prompts=32"], "pool.capacity"),
+        (["pool=pace", "pool.capacity=40", "pace.target_pool=64"], "pace.target_pool"),
+        (["pool=pace", "pace.target_pool=8", "data.batch_prompts=32"], "pace.target_pool"),
+        (["trainer.save_every=-1"], "trainer.save_every"),
+        (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints"),
     ],
 )
 def test_validate_rejects_and_names_the_key(overrides: list[str], key: str) -> None:
@@ -148,3 +153,40 @@ def test_paper_presets_evaluate_on_math6_and_tiny_on_arithmetic() -> None:
         assert list(cfg.eval.benchmarks) == ["math6"] and cfg.eval.k == 32  # paper: mean@32
     assert list(compose_cfg(["+exp=pace_tiny"]).eval.benchmarks) == ["arithmetic"]
     assert compose_cfg(["+exp=pace_qwen3_8b"]).eval.every > 0  # validated in training, on the rollout engine
+
+
+def _saved_config(tmp_path: Path, overrides: list[str]) -> Path:
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(compose_cfg(overrides)))
+    return ckpt
+
+
+def test_resume_runs_with_the_checkpoints_config_and_only_resumable_changes(tmp_path: Path) -> None:
+    from pace.checkpoint import resume_config
+
+    ckpt = _saved_config(tmp_path, ["+exp=pace_tiny", "pace.gamma=2", "trainer.steps=50"])
+    now = compose_cfg(["trainer.steps=80"])
+    cfg = resume_config(now, ckpt, [f"resume={ckpt}", "trainer.steps=80"])
+    validate(cfg)
+    assert cfg.pool.name == "pace" and cfg.pace.gamma == 2  # the run's own config, not today's defaults
+    assert cfg.trainer.steps == 80 and cfg.resume == str(ckpt)  # a resumable key changed
+    with pytest.raises(ConfigError, match=r"pace\.gamma cannot change on resume"):
+        resume_config(compose_cfg(["pace.gamma=4"]), ckpt, [f"resume={ckpt}", "pace.gamma=4"])
+    with pytest.raises(ConfigError, match="exp cannot change on resume"):
+        resume_config(compose_cfg(["+exp=async_tiny"]), ckpt, [f"resume={ckpt}", "+exp=async_tiny"])
+
+
+def test_resume_finds_the_newest_checkpoint_and_names_a_bad_path(tmp_path: Path) -> None:
+    from pace.checkpoint import STATE_FILE, resolve
+
+    run = tmp_path / "run"
+    for name in ("step-000004", "step-000012", "step-000016.tmp"):  # .tmp: a checkpoint cut short
+        (run / "checkpoints" / name).mkdir(parents=True)
+        (run / "checkpoints" / name / STATE_FILE).write_bytes(b"")
+    assert resolve(str(run)) == run / "checkpoints" / "step-000012"
+    assert resolve(str(run / "checkpoints" / "step-000004")) == run / "checkpoints" / "step-000004"
+    with pytest.raises(ConfigError, match="no such directory"):
+        resolve(str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="no checkpoint here"):
+        resolve(str(tmp_path))

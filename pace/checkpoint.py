@@ -1,0 +1,189 @@
+"""Checkpoints: what a run needs to continue as if it had not stopped (DESIGN §5).
+
+    <run>/checkpoints/step-000040/        θ_40: written after training step 39, before step 40
+        model.safetensors optimizer.bin scheduler.bin random_states_<rank>.pkl
+                          Accelerate `save_state` (every rank; sharded under FSDP): weights, AdamW
+                          moments, LR schedule, the Python/NumPy/torch RNG states
+        run_state.pkl     rank 0's side: the pool (every pooled group with its tokens, behaviour
+                          log-probs, versions and scores), the policy's state (PACE: ρ and the PFS
+                          window), the prompt sampler (position and returned prompts), the next
+                          group id, the fate counts, the logger's position (metrics rows, Parquet
+                          parts, wandb run id), validation state, counters
+        config.yaml       the run's resolved config: a resume runs with it
+        meta.json         version, why it was written, fate counts (for people and scripts)
+
+Groups in flight at a checkpoint are not in it: they count as `dropped_shutdown` there and their
+prompts go back to the sampler, so a resumed run decides every submitted group exactly once.
+A checkpoint is written to `step-N.tmp` and renamed when complete (a kill while writing leaves
+the previous ones intact); the newest `trainer.keep_checkpoints` are kept.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from pace.config import Config, ConfigError
+
+STATE_FILE = "run_state.pkl"
+FORMAT = 1
+# Keys a resume may change (`python train.py resume=<dir> trainer.steps=200`); the rest of the
+# config is the checkpoint's, so a resumed run is the same experiment.
+RESUMABLE = (
+    "trainer.steps", "trainer.save_every", "trainer.keep_checkpoints", "logger.mode", "logger.progress",
+    "reward.workers", "reward.timeout_s", "device",
+)
+
+
+def step_dir(run_dir: Path, version: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{version:06d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / STATE_FILE).exists())
+
+
+def resolve(resume: str) -> Path:
+    """`resume=` names a checkpoint directory, or a run directory (its newest checkpoint)."""
+    path = Path(resume).expanduser()
+    if (path / STATE_FILE).exists():
+        return path
+    if not path.exists():
+        raise ConfigError(f"resume={resume}: no such directory")
+    found = list_checkpoints(path)
+    if not found:
+        raise ConfigError(f"resume={resume}: no checkpoint here (expected {STATE_FILE} or checkpoints/step-*/)")
+    return found[-1]
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    return Path(checkpoint).resolve().parents[1]
+
+
+def resume_config(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
+    """The checkpoint's config, with the command line's changes to `RESUMABLE` keys applied.
+    Any other override fails, naming it: a resume continues the same experiment."""
+    saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(Path(checkpoint) / "config.yaml"))
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "resume":
+            continue
+        if key not in RESUMABLE:
+            raise ConfigError(
+                f"resume: {key} cannot change on resume (the run continues with its checkpoint's config); "
+                f"changeable: {', '.join(RESUMABLE)}"
+            )
+        OmegaConf.update(saved, key, OmegaConf.select(cfg, key), merge=False)
+    saved.resume = str(checkpoint)
+    return saved
+
+
+@dataclass
+class RunParts:
+    """Rank 0's stateful parts (the trainer's state goes through Accelerate on every rank)."""
+
+    pool: object
+    sampler: object
+    rollout: object
+    grader: object
+    logger: object
+    validations: object | None = None  # pace.validation.Validations when eval.every > 0
+
+
+def capture(parts: RunParts) -> bytes:
+    """rank 0's state as of one moment: the rollout thread is paused between engine steps."""
+    parts.logger.flush()  # every decided group so far is in a Parquet part the checkpoint points to
+    with parts.rollout.paused():
+        state = {
+            "format": FORMAT,
+            "pool": parts.pool.state_dict(),
+            "sampler": parts.sampler.state_dict(),
+            "rollout": parts.rollout.state_dict(),
+            "grader": parts.grader.state_dict(),
+            "logger": parts.logger.state_dict(),
+            "validations": None if parts.validations is None else parts.validations.state_dict(),
+        }
+        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def restore(state: dict, parts: RunParts) -> list:
+    """Load rank 0's state into freshly built parts (before the rollout thread starts). Returns
+    the groups that were in flight at the checkpoint (now dropped_shutdown, prompts returned)."""
+    if state.get("format") != FORMAT:
+        raise ConfigError(f"resume: checkpoint format {state.get('format')} is not {FORMAT}")
+    dropped = parts.pool.load_state_dict(state["pool"])
+    parts.sampler.load_state_dict(state["sampler"])
+    parts.sampler.give_back([g.prompt_id for g in dropped])
+    parts.rollout.load_state_dict(state["rollout"])
+    parts.grader.load_state_dict(state["grader"])
+    if parts.validations is not None and state["validations"] is not None:
+        parts.validations.load_state_dict(state["validations"])
+    return dropped
+
+
+def load_state(checkpoint: Path) -> dict:
+    with open(Path(checkpoint) / STATE_FILE, "rb") as f:
+        return pickle.load(f)
+
+
+def _quiet_accelerate() -> None:
+    """Accelerate logs each file it saves at INFO, and warns on every save that tied embeddings
+    (lm_head = embed_tokens, as in Qwen3's small models) are stored once, which reloads fine."""
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
+    logging.getLogger("accelerate.utils.other").addFilter(
+        lambda record: "Removed shared tensor" not in record.getMessage())
+
+
+class Checkpointer:
+    """Writes checkpoints of one run (every rank calls `save`: the trainer state is collective)."""
+
+    def __init__(self, run_dir: Path, accelerator, trainer, config: dict, keep: int):
+        _quiet_accelerate()
+        self.run_dir = Path(run_dir)
+        self.acc = accelerator
+        self.trainer = trainer
+        self.config = config
+        self.keep = keep
+        self.last: Path | None = None
+
+    def save(self, reason: str, parts: RunParts | None, meta: dict | None = None) -> Path:
+        """Write θ_version's checkpoint. ``parts`` on rank 0 (None elsewhere)."""
+        t0 = time.perf_counter()
+        version = self.trainer.version
+        path = step_dir(self.run_dir, version)
+        tmp = path.with_name(path.name + ".tmp")
+        main = self.acc.is_main_process
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        self.trainer.save(tmp)  # every rank
+        if main:
+            blob = capture(parts)
+            (tmp / STATE_FILE).write_bytes(blob)
+            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.config))
+            info = {"version": version, "reason": reason, "time": time.time(), "trainer": self.trainer.state_dict(),
+                    **(meta or {})}
+            (tmp / "meta.json").write_text(json.dumps(info, indent=1))
+        self.acc.wait_for_everyone()
+        if main:
+            if path.exists():
+                shutil.rmtree(path)
+            tmp.rename(path)
+            for old in list_checkpoints(self.run_dir)[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        self.last = path
+        if main:
+            print(f"checkpoint ({reason}): {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        return path

@@ -1,0 +1,116 @@
+"""Memory when production outruns training: `pool.capacity` keeps it flat (issue #6).
+
+    python scripts/bench_memory.py                          # 200 steps, capacity 64 vs no capacity
+    python scripts/bench_memory.py --steps 400 --capacity 128
+    python scripts/bench_memory.py -- rollout.max_tokens=192   # extra overrides for both runs
+
+Runs the same async tiny run twice, one after the other: with `pool.capacity=<C>` and with no cap
+(`pool.capacity=null`). B = 8 with 128 groups in flight makes generation outrun training on the
+tiny model, so without a cap the pool grows every step. While each run trains, the training
+process's resident memory (VmRSS, and its peak VmHWM) is sampled every 0.2 s; the pool occupancy
+per step comes from metrics.jsonl. Printed side by side: occupancy and RSS at quarters of the run,
+the step at which the capped pool filled (first admission refused by the capacity), and how
+memory moved after that step in both runs (RSS growth per 100 steps, least squares; peak).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["+exp=async_tiny", "data.batch_prompts=8", "rollout.max_inflight_groups=128", "eval.every=0",
+        "logger.mode=disabled", "logger.progress=false"]
+
+
+def _status_kib(pid: int, field: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def _steps_done(metrics: Path) -> int:
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def run(capacity: str, steps: int, extra: list[str], run_dir: Path) -> dict:
+    cmd = [sys.executable, str(ROOT / "train.py"), *BASE, f"trainer.steps={steps}", f"pool.capacity={capacity}",
+           f"hydra.run.dir={run_dir}", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    samples = []  # (steps done, RSS MiB)
+    peak = 0
+    metrics = run_dir / "metrics.jsonl"
+    while proc.poll() is None:
+        rss, hwm = _status_kib(proc.pid, "VmRSS"), _status_kib(proc.pid, "VmHWM")
+        done = _steps_done(metrics)
+        if rss is not None and 0 < done < steps:  # training: after start-up, before shutdown
+            samples.append((done, rss / 1024))
+            peak = max(peak, (hwm or 0) / 1024)
+        time.sleep(0.2)
+    err = proc.stderr.read()
+    if proc.returncode != 0:
+        sys.exit(f"pool.capacity={capacity} failed:\n{err[-3000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {"rows": rows, "samples": samples, "peak": peak}
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of y over x."""
+    n = len(points)
+    if n < 2:
+        return float("nan")
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / var if var else float("nan")
+
+
+def _rss_at(samples: list[tuple[int, float]], step: int) -> float:
+    near = [rss for s, rss in samples if s >= step]
+    return near[0] if near else samples[-1][1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--capacity", type=int, default=64)
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs (after --)")
+    args = ap.parse_args()
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cap in (str(args.capacity), "null"):
+            t0 = time.perf_counter()
+            results[cap] = run(cap, args.steps, args.overrides, Path(tmp) / f"cap-{cap}")
+            print(f"pool.capacity={cap}: {args.steps} steps in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    capped, free = results[str(args.capacity)], results["null"]
+    filled = next((r["step"] for r in capped["rows"] if r.get("rollout/capacity_wait_s", 0) > 0), None)
+    if filled is None:
+        sys.exit("the capped pool never filled: production did not outrun training (more --steps?)")
+    quarters = [args.steps * q // 4 for q in (1, 2, 3, 4)]
+    quarters[-1] -= 1
+    print(f"\nasync tiny, B = 8, 128 groups in flight, {args.steps} steps; the capped pool filled at step {filled}\n")
+    print("| run | " + " | ".join(f"step {s}: pool / RSS MiB" for s in quarters) + " | peak RSS MiB | RSS growth after step "
+          f"{filled}, MiB per 100 steps | waited for capacity, s |")
+    print("|---" * (len(quarters) + 4) + "|")
+    for cap, res in ((f"capacity {args.capacity}", capped), ("no capacity", free)):
+        occ = {r["step"]: r["pool/occupancy"] for r in res["rows"]}
+        cells = [f"{occ[s]} / {_rss_at(res['samples'], s + 1):.0f}" for s in quarters]
+        after = [(s, rss) for s, rss in res["samples"] if s > filled]
+        waited = sum(r.get("rollout/capacity_wait_s", 0) for r in res["rows"])
+        print(f"| {cap} | " + " | ".join(cells) + f" | {res['peak']:.0f} | {100 * _slope(after):+.1f} | {waited:.1f} |")
+    grow = lambda res: _rss_at(res["samples"], args.steps) - _rss_at(res["samples"], filled + 1)  # noqa: E731
+    print(f"\nRSS from step {filled} to the end: {grow(capped):+.0f} MiB with capacity {args.capacity}, "
+          f"{grow(free):+.0f} MiB without; final pool {capped['rows'][-1]['pool/occupancy']} vs {free['rows'][-1]['pool/occupancy']} groups")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""`train.py` with one fault injected, for the fault-injection tests: PACE_FAULT=<kind>@<version>.
+
+    rollout  the rollout thread raises while handling engine output, once θ_version exists
+    grading  collecting a finished grading job raises (the reward machinery, not one answer)
+    answers  the grading of every other answer fails (math-verify raising): scored wrong, counted
+    trainer  the training step that would make θ_{version+1} raises before its update
+    nan      that step's loss is NaN: its update is skipped and counted
+
+Everything else is the real run (engine, grader processes, trainer): train.py runs as the main
+script (runpy), so Hydra finds conf/ beside it; the grading function is picked by its module path.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def half_failing_grade(responses: list[str], golds: list[str]) -> list:
+    from pace.reward import check_answer
+
+    return [None if i % 2 else check_answer(r, g) for i, (r, g) in enumerate(zip(responses, golds))]
+
+
+def inject(kind: str, at: int) -> None:
+    import pace.reward as reward
+    from pace.algo.trainer import DAPOTrainer
+    from pace.rollout.worker import RolloutWorker
+
+    if kind == "rollout":
+        consume = RolloutWorker._consume
+
+        def _consume(self, outputs):
+            if self.trainer_version >= at:
+                raise RuntimeError(f"injected rollout fault at θ_{at}")
+            return consume(self, outputs)
+
+        RolloutWorker._consume = _consume
+    elif kind == "grading":
+        version = {"v": 0}
+        set_version, result = RolloutWorker.set_trainer_version, reward.GradeJob.result
+
+        def set_trainer_version(self, v):
+            version["v"] = v
+            set_version(self, v)
+
+        def job_result(self, timeout=None):
+            if version["v"] >= at:
+                raise RuntimeError(f"injected grading fault at θ_{at}")
+            return result(self, timeout)
+
+        RolloutWorker.set_trainer_version, reward.GradeJob.result = set_trainer_version, job_result
+    elif kind == "answers":
+        from tests.integration import faulty_train  # by module path: picklable into the grading processes
+
+        reward.grade_batch = faulty_train.half_failing_grade
+    elif kind in ("trainer", "nan"):
+        step = DAPOTrainer.step
+
+        def faulty_step(self, batch):
+            if self.version != at:
+                return step(self, batch)
+            if kind == "trainer":
+                raise RuntimeError(f"injected trainer fault at θ_{at}")
+            loss_fn = self.loss_fn
+            self.loss_fn = lambda logp, b, n: loss_fn(logp * float("nan"), b, n)
+            try:
+                return step(self, batch)
+            finally:
+                self.loss_fn = loss_fn
+
+        DAPOTrainer.step = faulty_step
+    else:
+        raise SystemExit(f"PACE_FAULT: unknown fault {kind!r}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    kind, at = os.environ["PACE_FAULT"].split("@")
+    inject(kind, int(at))
+    sys.argv[0] = str(ROOT / "train.py")
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -1,0 +1,197 @@
+"""Reliability end to end (issue #6): stop by SIGTERM and resume, deterministic resume, injected
+faults. Real tiny runs: vLLM CPU engine, grading processes, trainer."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from tests.conftest import ROOT, run_train
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["data.batch_prompts=8", "rollout.max_inflight_groups=16", "eval.every=0"]
+FAULTY = ROOT / "tests" / "integration" / "faulty_train.py"
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _state(checkpoint):
+    with open(checkpoint / "run_state.pkl", "rb") as f:
+        return pickle.load(f)
+
+
+def _check_accounting(run_dir, checkpointed: bool = False):
+    """One record per submitted group, each with one fate, matching the summary. A run stopped
+    into a checkpoint has no records of its pooled groups: they live on in the checkpoint."""
+    groups = pd.read_parquet(run_dir / "groups")
+    fates = _summary(run_dir)["fates"]
+    assert fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted")
+    unrecorded = fates["pooled"] if checkpointed else 0
+    assert len(groups) == fates["submitted"] - unrecorded and groups["id"].is_unique
+    for fate, n in fates.items():
+        if fate != "submitted":
+            assert (groups["fate"] == fate).sum() == (0 if fate == "pooled" and checkpointed else n), fate
+    return groups
+
+
+def _lr(cfg_lr: float, warmup: int, step: int) -> float:
+    return cfg_lr * min(1.0, (step + 2) / warmup)  # logged after the step's scheduler.step()
+
+
+def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_path):
+    steps = 8
+    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", f"trainer.steps={steps}", *SMALL,
+           "logger.mode=offline", f"hydra.run.dir={tmp_path}", "logger.progress=false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # wherever the loop is: waiting for a batch, training or logging
+    t0 = time.time()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert time.time() - t0 < 60
+    assert "SIGTERM: stopping after the step in progress" in err and f"resume with: python train.py resume={tmp_path}" in err
+
+    stopped = _summary(tmp_path)
+    v = stopped["steps"]
+    assert stopped["status"] == "interrupted" and 3 <= v < steps
+    checkpoint = tmp_path / "checkpoints" / f"step-{v:06d}"
+    assert stopped["checkpoint"] == str(checkpoint)
+    assert [m["step"] for m in _metrics(tmp_path)] == list(range(v))
+    # the checkpoint's pool is what the stopped run had pooled; nothing is left in flight
+    state = _state(checkpoint)
+    pooled = {g.id: g for g in state["pool"]["pooled"]}
+    assert len(pooled) == stopped["fates"]["pooled"] and stopped["fates"]["inflight"] == 0
+    assert state["pool"]["dropped"] == []  # in flight at the stop: already dropped_shutdown, prompts returned
+    first = _check_accounting(tmp_path, checkpointed=True)
+    assert not set(first.id) & set(pooled)  # pooled groups live on in the checkpoint, not in the records
+    assert len(state["sampler"]["returned"]) == stopped["fates"]["dropped_shutdown"]
+
+    proc = run_train([f"resume={tmp_path}"], tmp_path / "resume-hydra")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming {tmp_path} from step-{v:06d}: {len(pooled)} pooled groups" in proc.stderr
+
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["steps"] == steps
+    assert summary["resumed_from"] == str(checkpoint)
+    rows = _metrics(tmp_path)
+    assert [m["step"] for m in rows] == list(range(steps))  # each step logged once: versions continue
+    assert [m["version"] for m in rows] == list(range(steps))
+    # the loss curve continues from the restored trainer: finite, and the LR schedule picks up where it was
+    assert all(m["train/loss"] == m["train/loss"] for m in rows)
+    assert [m["train/lr"] for m in rows] == pytest.approx([_lr(1e-4, 10, j) for j in range(steps)])
+    assert rows[v]["rollout/engine_version"] >= v  # the engine started from θ_v, not θ_0
+
+    groups = _check_accounting(tmp_path)
+    consumed = groups[groups.fate == "consumed"]
+    assert len(consumed) == steps * 8 and consumed.id.is_unique  # no group trained twice
+    assert summary["fates"]["dropped_shutdown"] == stopped["fates"]["dropped_shutdown"]
+    # every group pooled at the checkpoint is decided once in the resumed run, with the same content
+    assert set(pooled) <= set(groups.id)
+    again = groups.set_index("id").loc[list(pooled)]
+    for gid, g in pooled.items():
+        assert list(again.loc[gid, "lengths"]) == [len(t) for t in g.trajectories]
+        assert again.loc[gid, "submitted_at"] == g.submitted_at
+    assert (again.step.dropna() >= v).all()
+    # the same wandb run continues: two offline segments with one run id
+    segments = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(segments) == 2 and len({p.name.rsplit("-", 1)[1] for p in segments}) == 1
+
+
+def test_sync_resume_equals_the_uninterrupted_run(tiny_model_path, tmp_path):
+    """Sync policy, fixed seed: resuming from the step-2 checkpoint reproduces the uninterrupted
+    run's steps 2 and 3: same groups (ids, prompts, responses' lengths and rewards), same losses."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = ["+exp=sync_tiny", "trainer.steps=4", "trainer.save_every=2", "logger.mode=disabled", *SMALL]
+    proc = run_train(args, a)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(a, b)
+    proc = run_train([f"resume={b / 'checkpoints' / 'step-000002'}"], tmp_path / "resume-hydra")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0 in flight at the checkpoint dropped" in proc.stderr  # sync: nothing in flight at a step boundary
+
+    def consumed(run):
+        g = _check_accounting(run)
+        g = g[g.fate == "consumed"].sort_values(["step", "id"])
+        return [(r.step, r.id, r.prompt_id, tuple(r.lengths), r.reward_mean, r.c) for r in g.itertuples()]
+
+    assert consumed(b) == consumed(a)
+    keys = ("train/loss", "train/reward_mean", "train/entropy", "version", "staleness/k_mean")
+    assert [[m[k] for k in keys] for m in _metrics(b)] == [[m[k] for k in keys] for m in _metrics(a)]
+
+
+def _faulty(kind: str, at: int, args: list[str], run_dir, timeout: float = 600):
+    cmd = [sys.executable, str(FAULTY), *args, f"hydra.run.dir={run_dir}", "logger.progress=false"]
+    env = {**os.environ, "PACE_FAULT": f"{kind}@{at}", "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("rollout", "injected rollout fault at θ_2"),
+    ("grading", "injected grading fault at θ_2"),
+    ("trainer", "injected trainer fault at θ_2"),
+])
+def test_a_fault_stops_the_run_with_its_traceback_and_a_loadable_checkpoint(kind, message, tiny_model_path, tmp_path):
+    args = ["+exp=async_tiny", "trainer.steps=5", "logger.mode=disabled", *SMALL]
+    t0 = time.time()
+    proc = _faulty(kind, 2, args, tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback (most recent call last)" in proc.stderr
+    summary = _summary(tmp_path)
+    assert summary["status"] == "failed"
+    v = summary["steps"]
+    assert v == 2 if kind == "trainer" else v >= 2
+    checkpoint = tmp_path / "checkpoints" / f"step-{v:06d}"
+    assert summary["checkpoint"] == str(checkpoint) and (checkpoint / "model.safetensors").exists()
+    why = "failure: RuntimeError" if kind == "trainer" else "rollout failure: RuntimeError"
+    assert f"checkpoint ({why}): {checkpoint}" in proc.stderr
+    groups = _check_accounting(tmp_path, checkpointed=True)
+    if kind == "trainer":  # the failed step's batch was not trained on: dropped, prompts returned
+        lost = groups[groups.fate == "dropped_shutdown"]
+        assert (lost.reason.str.startswith("training step failed")).sum() == 8
+        assert len(_metrics(tmp_path)) == 2
+    print(f"{kind}: stopped {time.time() - t0:.1f} s after start")
+
+    # loadable: the run resumes from it (without the fault) and finishes with the fates adding up
+    proc = run_train([f"resume={tmp_path}"], tmp_path / "resume-hydra")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = _summary(tmp_path)
+    assert summary["status"] == "finished" and summary["steps"] == 5
+    consumed = _check_accounting(tmp_path).query("fate == 'consumed'")
+    assert len(consumed) == 5 * 8 and consumed.id.is_unique
+    assert [m["step"] for m in _metrics(tmp_path)] == list(range(5))
+
+
+def test_failed_answers_and_a_nan_loss_do_not_stop_the_run(tiny_model_path, tmp_path):
+    args = ["+exp=async_tiny", "trainer.steps=3", "logger.mode=disabled", *SMALL]
+    proc = _faulty("answers", 0, args, tmp_path / "answers")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _metrics(tmp_path / "answers")
+    assert rows[-1]["reward/errors"] > 0 and rows[-1]["reward/errors"] <= rows[-1]["reward/graded"] + 1
+    _check_accounting(tmp_path / "answers")
+
+    proc = _faulty("nan", 1, args, tmp_path / "nan")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _metrics(tmp_path / "nan")
+    assert [m["train/nonfinite_skipped"] for m in rows] == [0, 1, 0]
+    assert rows[1]["train/grad_norm"] != rows[1]["train/grad_norm"]  # NaN: the skipped update's norm
+    assert _summary(tmp_path / "nan")["train/nonfinite_skipped"] == 1
+    _check_accounting(tmp_path / "nan")
