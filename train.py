@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pace import checkpoint as ckpt
 from pace.config import ConfigError, register, validate
+from pace.memory import release_free_heap, rss_mib
 from pace.records import Fate
 from pace.rollout.worker import RolloutError
 
@@ -305,6 +306,8 @@ def run(cfg: DictConfig) -> None:
                     metrics.update(validations.next_row())
                 decided = pool.drain_decided()
                 metrics.update(step_metrics(batch_done, pool, decided, t_wait))
+                metrics["time/trim"] = release_free_heap()  # pace/memory.py: flat host memory
+                metrics["host/rss_mib"] = rss_mib()
                 metrics["time/step"] = time.perf_counter() - t_step
                 metrics.update(rollout.metrics())
                 metrics.update(grader.stats())  # reward/{graded,timeouts,errors,restarts}

@@ -59,6 +59,11 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
+    # Grade each finished group before the next engine step, so the engine step at which a
+    # regenerated group (dynamic sampling) starts is the same in every run: with pool=sync and a
+    # fixed seed the run is repeatable, and a resumed run equals it. Off by default: it puts the
+    # grading latency on the rollout's path. Asynchronous runs stay timing-dependent either way.
+    deterministic: bool = False
     # CPU engine only: KV cache GiB, and OMP threads/binding of the engine (see README "CPU threads").
     kv_cache_gib: int = 1
     cpu_threads: int = 1

@@ -1,16 +1,18 @@
 """Memory when production outruns training: `pool.capacity` keeps it flat (issue #6).
 
-    python scripts/bench_memory.py                          # 200 steps, capacity 64 vs no capacity
+    python scripts/bench_memory.py                          # 150 steps, capacity 256 vs no capacity
     python scripts/bench_memory.py --steps 400 --capacity 128
     python scripts/bench_memory.py -- rollout.max_tokens=192   # extra overrides for both runs
 
 Runs the same async tiny run twice, one after the other: with `pool.capacity=<C>` and with no cap
-(`pool.capacity=null`). B = 8 with 128 groups in flight makes generation outrun training on the
-tiny model, so without a cap the pool grows every step. While each run trains, the training
-process's resident memory (VmRSS, and its peak VmHWM) is sampled every 0.2 s; the pool occupancy
-per step comes from metrics.jsonl. Printed side by side: occupancy and RSS at quarters of the run,
-the step at which the capped pool filled (first admission refused by the capacity), and how
-memory moved after that step in both runs (RSS growth per 100 steps, least squares; peak).
+(`pool.capacity=null`). B = 8 groups per step, trained in micro-batches of 2 sequences (slow
+training), with 128 groups in flight: generation outruns training by ~11 groups per step, so
+without a cap the pool grows every step. While each run trains, the training process's resident
+memory (VmRSS, and its peak VmHWM) is sampled every 0.2 s; the pool occupancy and `host/rss_mib`
+(the RSS right after the per-step `malloc_trim`, pace/memory.py) come from metrics.jsonl. Printed
+side by side: occupancy and sampled RSS at quarters of the run, the step at which the capped pool
+filled (first admission refused by the capacity), the RSS growth after that step (least squares,
+per 100 steps, of the sampled RSS and of host/rss_mib) and the peak.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["+exp=async_tiny", "data.batch_prompts=8", "rollout.max_inflight_groups=128", "eval.every=0",
+BASE = ["+exp=async_tiny", "data.batch_prompts=8", "trainer.micro_batch_size=2", "rollout.max_inflight_groups=128", "eval.every=0",
         "logger.mode=disabled", "logger.progress=false"]
 
 
@@ -79,8 +81,8 @@ def _rss_at(samples: list[tuple[int, float]], step: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--capacity", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--capacity", type=int, default=256)
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs (after --)")
     args = ap.parse_args()
 
@@ -97,18 +99,22 @@ def main() -> None:
         sys.exit("the capped pool never filled: production did not outrun training (more --steps?)")
     quarters = [args.steps * q // 4 for q in (1, 2, 3, 4)]
     quarters[-1] -= 1
-    print(f"\nasync tiny, B = 8, 128 groups in flight, {args.steps} steps; the capped pool filled at step {filled}\n")
+    print(f"\nasync tiny, B = 8, micro-batches of 2, 128 groups in flight, {args.steps} steps; the capped pool "
+          f"filled at step {filled}\n")
     print("| run | " + " | ".join(f"step {s}: pool / RSS MiB" for s in quarters) + " | peak RSS MiB | RSS growth after step "
-          f"{filled}, MiB per 100 steps | waited for capacity, s |")
+          f"{filled}, MiB per 100 steps: sampled / after trim | waited for capacity, s |")
     print("|---" * (len(quarters) + 4) + "|")
     for cap, res in ((f"capacity {args.capacity}", capped), ("no capacity", free)):
         occ = {r["step"]: r["pool/occupancy"] for r in res["rows"]}
         cells = [f"{occ[s]} / {_rss_at(res['samples'], s + 1):.0f}" for s in quarters]
         after = [(s, rss) for s, rss in res["samples"] if s > filled]
+        trimmed = [(r["step"], r["host/rss_mib"]) for r in res["rows"] if r["step"] > filled]
         waited = sum(r.get("rollout/capacity_wait_s", 0) for r in res["rows"])
-        print(f"| {cap} | " + " | ".join(cells) + f" | {res['peak']:.0f} | {100 * _slope(after):+.1f} | {waited:.1f} |")
-    grow = lambda res: _rss_at(res["samples"], args.steps) - _rss_at(res["samples"], filled + 1)  # noqa: E731
-    print(f"\nRSS from step {filled} to the end: {grow(capped):+.0f} MiB with capacity {args.capacity}, "
+        print(f"| {cap} | " + " | ".join(cells) + f" | {res['peak']:.0f} | {100 * _slope(after):+.1f} / "
+              f"{100 * _slope(trimmed):+.1f} | {waited:.1f} |")
+    start = max(quarters[0], filled + 1)  # past the warm-up of the first steps
+    grow = lambda res: _rss_at(res["samples"], args.steps) - _rss_at(res["samples"], start)  # noqa: E731
+    print(f"\nRSS from step {start} to the end: {grow(capped):+.0f} MiB with capacity {args.capacity}, "
           f"{grow(free):+.0f} MiB without; final pool {capped['rows'][-1]['pool/occupancy']} vs {free['rows'][-1]['pool/occupancy']} groups")
 
 

@@ -77,6 +77,7 @@ class RolloutWorker(threading.Thread):
         self.grader = grader
         self.cfg = cfg
         self.group_size = cfg.data.group_size
+        self.deterministic = cfg.rollout.deterministic
         self.cpu_threads = cfg.rollout.cpu_threads if llm.llm_engine.vllm_config.device_config.device_type == "cpu" else 0
         self.params = SamplingParams(
             max_tokens=cfg.rollout.max_tokens,
@@ -216,6 +217,9 @@ class RolloutWorker(threading.Thread):
                     self.stats["gen_s"] += time.perf_counter() - t0
                     self._consume(outputs)
                     busy = True
+                    if self.deterministic:  # see rollout.deterministic
+                        for _, job in self._grading:
+                            job.result()
                 busy |= self._collect_grades()
                 busy |= self._poll_validation()
                 if not busy:

@@ -44,10 +44,10 @@ def test_two_process_train_run(tiny_model_path, tmp_path):
     assert summary["status"] == "finished" and summary["rollout"]["syncs"] >= 2
     assert summary["best"]["version"] in (0, 2, 3)
 
-    # both ranks wrote their part of each checkpoint (RNG states per rank); rank 0 the run state
+    # the checkpoints (Accelerate's trainer state, rank 0's run state), written with both ranks in step
     for step in (2, 3):
         ckpt = tmp_path / "checkpoints" / f"step-{step:06d}"
-        assert {"run_state.pkl", "random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= {p.name for p in ckpt.iterdir()}
+        assert {"run_state.pkl", "random_states_0.pkl", "model.safetensors", "optimizer.bin"} <= {p.name for p in ckpt.iterdir()}
     # and both resume from one: rank 0 restores the pool, every rank the trainer
     resume = [*LAUNCH, "--num_processes", "2", str(ROOT / "train.py"), f"resume={tmp_path / 'checkpoints' / 'step-000002'}",
               "logger.progress=false", f"hydra.run.dir={tmp_path / 'resume-hydra'}"]

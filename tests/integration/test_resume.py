@@ -117,14 +117,16 @@ def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_p
 
 
 def test_sync_resume_equals_the_uninterrupted_run(tiny_model_path, tmp_path):
-    """Sync policy, fixed seed: resuming from the step-2 checkpoint reproduces the uninterrupted
-    run's steps 2 and 3: same groups (ids, prompts, responses' lengths and rewards), same losses."""
+    """Sync policy, fixed seed, rollout.deterministic: resuming from the step-3 checkpoint
+    reproduces the uninterrupted run's steps 3 to 5: same groups (ids, prompts, responses' lengths
+    and rewards), same losses, to the bit."""
     a, b = tmp_path / "a", tmp_path / "b"
-    args = ["+exp=sync_tiny", "trainer.steps=4", "trainer.save_every=2", "logger.mode=disabled", *SMALL]
+    args = ["+exp=sync_tiny", "trainer.steps=6", "trainer.save_every=3", "rollout.deterministic=true",
+            "logger.mode=disabled", *SMALL]
     proc = run_train(args, a)
     assert proc.returncode == 0, proc.stderr[-3000:]
     shutil.copytree(a, b)
-    proc = run_train([f"resume={b / 'checkpoints' / 'step-000002'}"], tmp_path / "resume-hydra")
+    proc = run_train([f"resume={b / 'checkpoints' / 'step-000003'}"], tmp_path / "resume-hydra")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0 in flight at the checkpoint dropped" in proc.stderr  # sync: nothing in flight at a step boundary
 
