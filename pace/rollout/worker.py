@@ -225,7 +225,7 @@ class RolloutWorker(threading.Thread):
                 if not busy:
                     self._wake.wait(0.01)
                     self._wake.clear()
-                if self.pool.capacity_blocked:
+                if self.pool.capacity_blocked and self.trainer_version < self.final_version:
                     self.stats["capacity_wait_s"] += time.perf_counter() - t_loop
         except BaseException as exc:  # noqa: BLE001 - everything must reach the trainer
             self.error, self.error_traceback = exc, traceback.format_exc()
