@@ -29,6 +29,16 @@ case "$stack" in
     echo "setup: PACE_STACK must be auto, cpu or cuda (got '$stack')" >&2; exit 2 ;;
 esac
 
+# The tool sandbox (multi-turn tool rollouts, pace/tools/sandbox.py) runs tool code under bubblewrap.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    sudo=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo="sudo"
+    $sudo apt-get install -y -q bubblewrap >/dev/null || echo "setup: could not install bubblewrap; tool runs need tools.sandbox=process" >&2
+  else
+    echo "setup: no apt-get: install bubblewrap (bwrap) yourself for tool runs, or use tools.sandbox=process" >&2
+  fi
+fi
+
 $PY - <<'PY'
 import torch, transformers, vllm, hydra, accelerate, math_verify  # noqa: F401
 print(f"setup: ok: torch {torch.__version__} (cuda={torch.cuda.is_available()}), vllm {vllm.__version__}, "
