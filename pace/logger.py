@@ -71,7 +71,7 @@ def group_row(group: Group) -> dict:
             acc_mean=sum(t.correct for t in trajs) / len(trajs),
             len_mean=row["num_tokens"] / len(trajs),
             len_max=max(row["lengths"]),
-            versions_spanned=max(versions_spanned(t.versions) for t in trajs),
+            versions_spanned=max(versions_spanned(t.action_versions) for t in trajs),
         )
         if group.step is not None:
             row["k"], row["k_gen"], row["k_wait"] = group.staleness(group.step)

@@ -27,7 +27,13 @@ class Fate(str, Enum):
 
 @dataclass
 class Trajectory:
-    """One response. ``logprobs[t]`` is ℓ^μ_t and ``versions[t]`` is v_t of response token t."""
+    """One response. ``logprobs[t]`` is ℓ^μ_t and ``versions[t]`` is v_t of response token t.
+
+    In a multi-turn tool rollout the response also holds tool-output tokens: context the policy
+    did not choose. ``action_mask[t]`` is False for those (their log-prob and version entries are
+    placeholders): they are masked out of the loss and left out of the staleness averages
+    (DESIGN §2 averages over model-generated tokens). None: every token is an action.
+    """
 
     response_ids: list[int]
     logprobs: list[float]
@@ -38,9 +44,22 @@ class Trajectory:
     correct: bool = False
     reward: float = 0.0  # ±1 correctness plus overlong shaping
     advantage: float = 0.0
+    action_mask: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def num_actions(self) -> int:
+        """Model-generated tokens (the loss's token count)."""
+        return len(self.response_ids) if self.action_mask is None else sum(self.action_mask)
+
+    @property
+    def action_versions(self) -> list[int]:
+        """v_t of the model-generated tokens (what the staleness averages run over)."""
+        if self.action_mask is None:
+            return self.versions
+        return [v for v, a in zip(self.versions, self.action_mask) if a]
 
 
 @dataclass
@@ -74,7 +93,7 @@ class Group:
     def staleness(self, step: int) -> tuple[float, float, float]:
         """Token-weighted (K, K_gen, K_wait) if consumed at ``step``."""
         return staleness.group_staleness(
-            [t.versions for t in self.trajectories], [t.completed_at for t in self.trajectories], step
+            [t.action_versions for t in self.trajectories], [t.completed_at for t in self.trajectories], step
         )
 
     def k_gen(self) -> float:

@@ -59,7 +59,8 @@ def collate(trajs: list[Trajectory], prompts: list[list[int]]) -> dict[str, torc
         full = prompt + traj.response_ids
         n_p, n_r = len(prompt), len(traj.response_ids)
         ids.append(full)
-        mask.append([0] * (n_p - 1) + [1] * n_r)
+        actions = [1] * n_r if traj.action_mask is None else [int(a) for a in traj.action_mask]
+        mask.append([0] * (n_p - 1) + actions)  # tool-output tokens are context, not actions
         lp_b.append([0.0] * (n_p - 1) + list(traj.logprobs))
         adv.append([traj.advantage] * (n_p - 1 + n_r))
     input_ids = _pad(ids, 0, torch.long)
@@ -166,7 +167,7 @@ class DAPOTrainer:
 
     def _update(self, pairs: list[tuple[list[int], Trajectory]], prox: dict[int, list[float]] | None) -> dict[str, float]:
         """One optimizer update on this rank's share of a mini-batch (micro-batched)."""
-        local_tokens = torch.tensor(float(sum(len(t) for _, t in pairs)), device=self.acc.device)
+        local_tokens = torch.tensor(float(sum(t.num_actions for _, t in pairs)), device=self.acc.device)
         total_tokens = self.acc.reduce(local_tokens, reduction="sum").item()
         # DDP/FSDP average gradients over ranks; scale so the result is Σ_tokens / total_tokens.
         norm = total_tokens / self.acc.num_processes
