@@ -1,0 +1,113 @@
+"""Generated products and long sums that are much easier with the Python tool (issue #7's tiny task).
+
+A prompt is the bare expression, ``"4821*937=?\\n"``. Worked in the head, a product of two
+multi-digit numbers is out of the tiny model's reach; with the tool it is one line of code. The
+two response styles the SFT warm start mixes (`pace.tiny` builds it):
+
+    with the tool                                    direct (a guess; wrong unless lucky)
+    <code>                                           Answer: 4517000
+    ```python
+    print(4821*937)
+    ```
+    </code>
+    <interpreter>
+    4517277
+    </interpreter>
+    Answer: 4517277
+
+The interpreter block is what the rollout appends after running the code (pace/tools/protocol.py);
+in a trace it stands for the tool's real output, so the model learns to read it. The warm start
+uses the tool on a fraction of its traces only, so RL has a tool-use rate to raise.
+
+Levels (operand widths in digits; the sums have five terms):
+
+    | level | expression        | example         |
+    | ----- | ----------------- | --------------- |
+    | 1     | 2-digit × 2-digit | 47*86           |
+    | 2     | 3-digit × 2-digit | 482*93          |
+    | 3     | 3-digit × 3-digit | 482*937         |
+    | 4     | sum of 5 × 4-digit | 4821+9370+1234+5678+2468 |
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from pace.tasks.base import Prompt
+from pace.tools.protocol import CODE_START, CODE_STOP, format_output
+
+LEVELS: dict[int, tuple[str, list[int]]] = {1: ("*", [2, 2]), 2: ("*", [3, 2]), 3: ("*", [3, 3]), 4: ("+", [4] * 5)}
+ANSWER_PREFIX = "Answer: "
+
+
+@dataclass
+class ToolArithmeticSpec:
+    levels: list[int] | None = None  # subset of LEVELS; None = all, round-robin
+    n_train: int = 4000
+    n_val: int = 400
+    seed: int = 0
+
+    def level_list(self) -> list[int]:
+        levels = sorted(LEVELS) if self.levels is None else list(self.levels)
+        unknown = [lv for lv in levels if lv not in LEVELS]
+        if not levels or unknown:
+            raise ValueError(f"ToolArithmeticSpec.levels: {self.levels!r}; known levels are {sorted(LEVELS)}")
+        return levels
+
+
+def random_expression(rng: random.Random, level: int) -> str:
+    op, widths = LEVELS[level]
+    return op.join(str(rng.randrange(10 ** (w - 1), 10**w)) for w in widths)
+
+
+def evaluate(expression: str) -> int:
+    """The value of a product or sum of non-negative integers (no eval)."""
+    if "*" in expression:
+        out = 1
+        for x in expression.split("*"):
+            out *= int(x)
+        return out
+    return sum(int(x) for x in expression.split("+"))
+
+
+def tool_solution(prompt: Prompt) -> str:
+    """The response that asks the tool, reads its output and answers (no EOS)."""
+    expression = prompt.text.removesuffix("=?\n")
+    code = f"print({expression})"
+    return (f"{CODE_START}\n```python\n{code}\n```\n{CODE_STOP}" + format_output(str(evaluate(expression)), 1000)
+            + f"{ANSWER_PREFIX}{evaluate(expression)}")
+
+
+def direct_solution(prompt: Prompt, rng: random.Random) -> str:
+    """A direct answer as a model without the tool would give it: the right leading digits, the
+    rest guessed (right only by chance on the harder levels)."""
+    value = str(evaluate(prompt.text.removesuffix("=?\n")))
+    keep = max(1, len(value) // 2)
+    guess = value[:keep] + "".join(str(rng.randint(0, 9)) for _ in range(len(value) - keep))
+    return f"{ANSWER_PREFIX}{guess}"
+
+
+def make_prompts(spec: ToolArithmeticSpec, split: str) -> list[Prompt]:
+    """The ``split`` ("train" or "val") prompts: deterministic from the spec, unique, disjoint."""
+    if split not in ("train", "val"):
+        raise ValueError(f"make_prompts: split must be 'train' or 'val', got {split!r}")
+    levels = spec.level_list()
+    val = _draw(random.Random(f"tool-val-{spec.seed}"), levels, spec.n_val, taken=set())
+    exprs = val if split == "val" else _draw(random.Random(f"tool-train-{spec.seed}"), levels, spec.n_train, set(val))
+    return [Prompt(id=f"tool-{split}-{i:06d}", text=f"{e}=?\n", answer=str(evaluate(e)),
+                   meta={"level": levels[i % len(levels)]}) for i, e in enumerate(exprs)]
+
+
+def _draw(rng: random.Random, levels: list[int], n: int, taken: set[str]) -> list[str]:
+    out, seen = [], set(taken)
+    for i in range(n):
+        level = levels[i % len(levels)]
+        for _ in range(10_000):
+            e = random_expression(rng, level)
+            if e not in seen:
+                break
+        else:
+            raise ValueError(f"make_prompts: level {level} has run out of distinct problems at {i} prompts")
+        seen.add(e)
+        out.append(e)
+    return out
