@@ -34,6 +34,17 @@ def run_train(args: list[str], run_dir: Path, timeout: float = 600, **kw):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def wait_for_rows(proc, run_dir: Path, rows: int, timeout: float = 300) -> None:
+    """Wait until a train.py started with Popen has logged ``rows`` metrics rows (fails if it exits)."""
+    import time
+
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+
+
 def pytest_collection_modifyitems(items):
     """Every test not marked `integration` is a fast `unit` test."""
     for item in items:

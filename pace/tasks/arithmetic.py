@@ -48,11 +48,15 @@ class ArithmeticSpec:
     seed: int = 0  # the splits are a pure function of (levels, n_train, n_val, seed)
 
     def level_list(self) -> list[int]:
-        levels = sorted(LEVELS) if self.levels is None else list(self.levels)
-        unknown = [lv for lv in levels if lv not in LEVELS]
-        if not levels or unknown:
-            raise ValueError(f"ArithmeticSpec.levels: {self.levels!r}; known levels are {sorted(LEVELS)}")
-        return levels
+        return check_levels(self.levels, LEVELS, "ArithmeticSpec")
+
+
+def check_levels(levels: list[int] | None, known: dict, owner: str) -> list[int]:
+    """``levels`` (None: all of ``known``), each one known; else a ValueError naming them."""
+    out = sorted(known) if levels is None else list(levels)
+    if not out or any(lv not in known for lv in out):
+        raise ValueError(f"{owner}.levels: {levels!r}; known levels are {sorted(known)}")
+    return out
 
 
 def _operand(rng: random.Random, digits: int) -> int:
@@ -105,11 +109,11 @@ def make_prompts(spec: ArithmeticSpec, split: str) -> list[Prompt]:
     if split not in ("train", "val"):
         raise ValueError(f"make_prompts: split must be 'train' or 'val', got {split!r}")
     levels = spec.level_list()
-    val = _draw(random.Random(f"arith-val-{spec.seed}"), levels, spec.n_val, taken=set())
+    val = draw_expressions(random.Random(f"arith-val-{spec.seed}"), levels, spec.n_val, taken=set())
     if split == "val":
         exprs = val
     else:
-        exprs = _draw(random.Random(f"arith-train-{spec.seed}"), levels, spec.n_train, taken=set(val))
+        exprs = draw_expressions(random.Random(f"arith-train-{spec.seed}"), levels, spec.n_train, taken=set(val))
     return [
         Prompt(
             id=f"arith-{split}-{i:06d}",
@@ -121,13 +125,17 @@ def make_prompts(spec: ArithmeticSpec, split: str) -> list[Prompt]:
     ]
 
 
-def _draw(rng: random.Random, levels: list[int], n: int, taken: set[str]) -> list[str]:
+def draw_expressions(rng: random.Random, levels: list[int], n: int, taken: set[str],
+                     expression=None) -> list[str]:
+    """``n`` distinct expressions not in ``taken``, levels round-robin; ``expression(rng, level)``
+    draws one (default: this module's)."""
+    expression = expression or random_expression
     out: list[str] = []
     seen = set(taken)
     for i in range(n):
         level = levels[i % len(levels)]
         for _ in range(10_000):  # level 1 holds ~20k distinct problems; the others millions
-            e = random_expression(rng, level)
+            e = expression(rng, level)
             if e not in seen:
                 break
         else:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from pace.tasks.arithmetic import check_levels, draw_expressions
 from pace.tasks.base import Prompt
 from pace.tools.protocol import CODE_START, CODE_STOP, format_output
 
@@ -48,11 +49,7 @@ class ToolArithmeticSpec:
     seed: int = 0
 
     def level_list(self) -> list[int]:
-        levels = sorted(LEVELS) if self.levels is None else list(self.levels)
-        unknown = [lv for lv in levels if lv not in LEVELS]
-        if not levels or unknown:
-            raise ValueError(f"ToolArithmeticSpec.levels: {self.levels!r}; known levels are {sorted(LEVELS)}")
-        return levels
+        return check_levels(self.levels, LEVELS, "ToolArithmeticSpec")
 
 
 def random_expression(rng: random.Random, level: int) -> str:
@@ -92,22 +89,9 @@ def make_prompts(spec: ToolArithmeticSpec, split: str) -> list[Prompt]:
     if split not in ("train", "val"):
         raise ValueError(f"make_prompts: split must be 'train' or 'val', got {split!r}")
     levels = spec.level_list()
-    val = _draw(random.Random(f"tool-val-{spec.seed}"), levels, spec.n_val, taken=set())
-    exprs = val if split == "val" else _draw(random.Random(f"tool-train-{spec.seed}"), levels, spec.n_train, set(val))
+    val = draw_expressions(random.Random(f"tool-val-{spec.seed}"), levels, spec.n_val, set(), random_expression)
+    exprs = val if split == "val" else draw_expressions(random.Random(f"tool-train-{spec.seed}"), levels, spec.n_train,
+                                                        set(val), random_expression)
     return [Prompt(id=f"tool-{split}-{i:06d}", text=f"{e}=?\n", answer=str(evaluate(e)),
                    meta={"level": levels[i % len(levels)]}) for i, e in enumerate(exprs)]
 
-
-def _draw(rng: random.Random, levels: list[int], n: int, taken: set[str]) -> list[str]:
-    out, seen = [], set(taken)
-    for i in range(n):
-        level = levels[i % len(levels)]
-        for _ in range(10_000):
-            e = random_expression(rng, level)
-            if e not in seen:
-                break
-        else:
-            raise ValueError(f"make_prompts: level {level} has run out of distinct problems at {i} prompts")
-        seen.add(e)
-        out.append(e)
-    return out

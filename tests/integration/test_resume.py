@@ -14,7 +14,7 @@ import time
 import pandas as pd
 import pytest
 
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, run_train, wait_for_rows
 
 pytestmark = pytest.mark.integration
 
@@ -58,11 +58,7 @@ def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_p
     cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", f"trainer.steps={steps}", *SMALL,
            "logger.mode=offline", f"hydra.run.dir={tmp_path}", "logger.progress=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
+    wait_for_rows(proc, tmp_path, 3)
     proc.send_signal(signal.SIGTERM)  # wherever the loop is: waiting for a batch, training or logging
     t0 = time.time()
     _, err = proc.communicate(timeout=120)

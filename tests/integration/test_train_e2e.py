@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, run_train, wait_for_rows
 
 pytestmark = pytest.mark.integration
 
@@ -109,11 +109,7 @@ def test_sigint_stops_cleanly(tiny_model_path, tmp_path):
     cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=100000", "logger.mode=disabled", *SMALL,
            f"hydra.run.dir={tmp_path}", "logger.progress=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.5)
+    wait_for_rows(proc, tmp_path, 2)
     proc.send_signal(signal.SIGINT)
     t0 = time.time()
     _, err = proc.communicate(timeout=60)
