@@ -42,7 +42,8 @@ def main(cfg: DictConfig) -> None:
 
         from pace.evaluation import sets_from_config
 
-        sets = sets_from_config(cfg, AutoTokenizer.from_pretrained(model_path))
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        sets = sets_from_config(cfg, tokenizer)
     except (UserError, ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -56,9 +57,11 @@ def main(cfg: DictConfig) -> None:
     # Grading jobs hold ~GRADE_ANSWERS answers; reward.timeout_s is the deadline of a training
     # group's G answers, so each job's deadline is that per answer times the job's size.
     with Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s) as grader:
+        # rollout.max_tool_calls > 0 (the *_tool / *_retool presets): multi-turn, sandboxed tool calls
         results = evaluation.evaluate(llm.llm_engine, sets, params, grader, progress=cfg.logger.progress,
                                       grade_answers=GRADE_ANSWERS,
-                                      answer_timeout_s=cfg.reward.timeout_s / cfg.data.group_size)
+                                      answer_timeout_s=cfg.reward.timeout_s / cfg.data.group_size,
+                                      tools=evaluation.tool_runner(cfg, tokenizer))
         grading = grader.stats()
     engine_lib.shutdown(llm)
 

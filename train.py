@@ -69,6 +69,10 @@ def load_prompts(cfg, tokenizer):
         from pace.tasks.arithmetic import make_prompts
 
         prompts = make_prompts(OmegaConf.to_object(cfg.data.arithmetic), cfg.data.split)
+    elif cfg.data.source == "tool_arithmetic":
+        from pace.tasks import tool_arithmetic
+
+        prompts = tool_arithmetic.make_prompts(OmegaConf.to_object(cfg.data.tool_arithmetic), cfg.data.split)
     else:
         try:
             prompts = load_math_prompts(cfg.data.path, cfg.data.split, cfg.data.template)
@@ -92,7 +96,7 @@ def default_group(cfg) -> str | None:
     return None
 
 
-def step_metrics(batch, pool, decided, t_wait: float) -> dict:
+def step_metrics(batch, pool, decided, t_wait: float, tools: bool = False) -> dict:
     """Staleness of the consumed groups, pool state, rollout throughput (DESIGN §6 names).
 
     `train/*` describe the consumed batch, which dynamic sampling restricts to mixed groups;
@@ -111,11 +115,17 @@ def step_metrics(batch, pool, decided, t_wait: float) -> dict:
     if produced:
         rollout["rollout/acc_mean"] = sum(t.correct for t in produced) / len(produced)
         rollout["rollout/reward_mean"] = sum(t.reward for t in produced) / len(produced)
+        if tools:
+            from pace.tools.runner import usage_metrics
+
+            rollout.update(usage_metrics(produced))
     return {
         **rollout,
         "train/reward_mean": sum(t.reward for t in trajs) / len(trajs),
         "train/acc_mean": sum(t.correct for t in trajs) / len(trajs),
         "train/response_len": sum(len(t) for t in trajs) / len(trajs),
+        # model-generated tokens (tool output excluded): what the loss averages over
+        "train/action_len": sum(t.num_actions for t in trajs) / len(trajs),
         "staleness/k_mean": sum(k[0] for k in ks) / n,
         "staleness/k_gen_mean": sum(k[1] for k in ks) / n,
         "staleness/k_wait_mean": sum(k[2] for k in ks) / n,
@@ -305,7 +315,7 @@ def run(cfg: DictConfig) -> None:
                 if validations is not None:
                     metrics.update(validations.next_row())
                 decided = pool.drain_decided()
-                metrics.update(step_metrics(batch_done, pool, decided, t_wait))
+                metrics.update(step_metrics(batch_done, pool, decided, t_wait, tools=cfg.rollout.max_tool_calls > 0))
                 metrics["time/trim"] = release_free_heap()  # pace/memory.py: flat host memory
                 metrics["host/rss_mib"] = rss_mib()
                 metrics["time/step"] = time.perf_counter() - t_step

@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from pace.tasks.arithmetic import ArithmeticSpec
+from pace.tasks.tool_arithmetic import ToolArithmeticSpec
 from pace.tiny import TinySpec
 
 
@@ -32,15 +33,17 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "arithmetic"  # arithmetic (generated, tiny default) | math (hub id or local file)
+    # arithmetic (generated, tiny default) | tool_arithmetic (generated, for tool use) | math (hub id or local file)
+    source: str = "arithmetic"
     path: Optional[str] = None  # math: hub id (datasets.load_dataset) or a local .jsonl/.parquet file
     split: str = "train"
-    template: str = "dapo"  # math prompt template (see pace.tasks.math)
+    template: str = "dapo"  # math prompt template: dapo | retool (tool use) | plain (see pace.tasks.math)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
     batch_prompts: int = 8  # B: groups per training step
     group_size: int = 8  # G: responses per prompt
     seed: int = 0
     arithmetic: ArithmeticSpec = field(default_factory=ArithmeticSpec)  # used when source=arithmetic
+    tool_arithmetic: ToolArithmeticSpec = field(default_factory=ToolArithmeticSpec)  # source=tool_arithmetic
 
 
 @dataclass
@@ -68,6 +71,24 @@ class RolloutConfig:
     kv_cache_gib: int = 1
     cpu_threads: int = 1
     cpu_threads_bind: str = "nobind"
+    # Multi-turn tool use (ReTool): tool calls per response; 0 = single-turn. Generation stops at
+    # `</code>`, the program runs in the sandbox (`tools`), its output is appended between
+    # interpreter tags and generation resumes; the response budget (max_tokens) counts both.
+    max_tool_calls: int = 0
+
+
+@dataclass
+class ToolsConfig:
+    """The sandbox of multi-turn tool rollouts (rollout.max_tool_calls > 0): pace/tools."""
+
+    sandbox: str = "bwrap"  # bwrap (bubblewrap: no network, read-only fs, private /tmp) | process (no isolation)
+    workers: int = 4  # tool calls running at once (threads beside the engine)
+    warm: int = 0  # sandboxes kept started, waiting for a program (hides start-up)
+    wall_s: float = 10.0  # per call
+    cpu_s: int = 5
+    memory_mb: int = 1024
+    output_bytes: int = 4096  # output read from the program (it is stopped past this)
+    output_chars: int = 512  # interpreter text appended to the context (head + tail kept)
 
 
 @dataclass
@@ -168,6 +189,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     pace: PaceConfig = field(default_factory=PaceConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -183,7 +205,9 @@ def register() -> None:
 _CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "data.source": ("arithmetic", "math"),
+    "data.source": ("arithmetic", "tool_arithmetic", "math"),
+    "tools.sandbox": ("bwrap", "process"),
+    "data.template": ("dapo", "retool", "plain"),
     "pool.name": ("sync", "async", "stale_k", "gate", "pace"),
     "pace.score": ("effective", "raw", "generation"),
     "algo.name": ("dapo", "m2po"),
@@ -196,7 +220,8 @@ _CHOICES = {
 _POSITIVE = (
     "data.batch_prompts", "rollout.max_tokens", "rollout.max_inflight_groups", "rollout.sync_every",
     "rollout.max_model_len", "trainer.steps", "trainer.mini_batches", "trainer.micro_batch_size",
-    "reward.timeout_s", "reward.workers", "rollout.temperature", "trainer.lr", "eval.k", "eval.temperature",
+    "reward.timeout_s", "reward.workers", "rollout.temperature", "tools.workers", "tools.wall_s",
+    "tools.cpu_s", "tools.memory_mb", "tools.output_bytes", "tools.output_chars", "trainer.lr", "eval.k", "eval.temperature",
 )
 
 
@@ -246,6 +271,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("algo.name=m2po masks against the behaviour policy: it needs algo.ratio_ref=behavior")
     if cfg.data.source == "math" and not cfg.data.path:
         raise ConfigError("data.source=math needs data.path (a hub id or a local file)")
+    if cfg.rollout.max_tool_calls < 0 or cfg.tools.warm < 0:
+        raise ConfigError("rollout.max_tool_calls and tools.warm must be >= 0")
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError("rollout.max_tokens must be < rollout.max_model_len (prompt + response)")
 

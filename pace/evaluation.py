@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pace.tasks.base import Prompt
 
 ARITH_SETS = {f"arith_l{level}": level for level in (1, 2, 3, 4)}  # the tiny val split, by level
+TOOL_SETS = {f"tool_l{level}": level for level in (1, 2, 3, 4)}  # the tiny tool task's val split, by level
 
 
 def mean_at_k(correct: list[list[bool]]) -> float:
@@ -25,9 +26,11 @@ def mean_at_k(correct: list[list[bool]]) -> float:
     return sum(sum(c) / len(c) for c in correct) / len(correct)
 
 
-def load_sets(names: list[str], data_dir: str | None, template: str, arithmetic_spec=None) -> dict[str, list[Prompt]]:
-    """Prompt lists by benchmark name: the math benchmarks (`math6` expands) and the tiny
-    arithmetic val split (`arithmetic` = levels 1–4 as `arith_l1` … `arith_l4`)."""
+def load_sets(names: list[str], data_dir: str | None, template: str, arithmetic_spec=None,
+              tool_spec=None) -> dict[str, list[Prompt]]:
+    """Prompt lists by benchmark name: the math benchmarks (`math6` expands), the tiny
+    arithmetic val split (`arithmetic` = levels 1–4 as `arith_l1` … `arith_l4`) and the tiny tool
+    task's (`tool_arithmetic` = `tool_l1` … `tool_l4`)."""
     from pace.tasks import benchmarks
 
     out: dict[str, list[Prompt]] = {}
@@ -39,6 +42,13 @@ def load_sets(names: list[str], data_dir: str | None, template: str, arithmetic_
             val = make_prompts(arithmetic_spec or ArithmeticSpec(), "val")
             for set_name, level in ARITH_SETS.items():
                 if name in ("arithmetic", set_name):
+                    out[set_name] = [p for p in val if p.meta["level"] == level]
+        elif name == "tool_arithmetic" or name in TOOL_SETS:
+            from pace.tasks import tool_arithmetic
+
+            val = tool_arithmetic.make_prompts(tool_spec or tool_arithmetic.ToolArithmeticSpec(), "val")
+            for set_name, level in TOOL_SETS.items():
+                if name in ("tool_arithmetic", set_name):
                     out[set_name] = [p for p in val if p.meta["level"] == level]
         else:
             math_names.append(name)
@@ -54,6 +64,8 @@ def title(name: str) -> str:
         return BENCHMARKS[name].title
     if name in ARITH_SETS:
         return f"Arith L{ARITH_SETS[name]}"
+    if name in TOOL_SETS:
+        return f"Tool L{TOOL_SETS[name]}"
     return name
 
 
@@ -64,10 +76,19 @@ def sets_from_config(cfg, tokenizer) -> dict[str, list[Prompt]]:
     from pace.tasks.base import with_chat_template
 
     sets = load_sets(list(cfg.eval.benchmarks), cfg.eval.data_dir, cfg.data.template,
-                     OmegaConf.to_object(cfg.data.arithmetic))
+                     OmegaConf.to_object(cfg.data.arithmetic), OmegaConf.to_object(cfg.data.tool_arithmetic))
     if cfg.data.chat_template:
         sets = {name: with_chat_template(ps, tokenizer) for name, ps in sets.items()}
     return sets
+
+
+def tool_runner(cfg, tokenizer, on_done=None):
+    """A `ToolRunner` when the config uses tools (rollout.max_tool_calls > 0), else None."""
+    if not cfg.rollout.max_tool_calls:
+        return None
+    from pace.tools.runner import ToolRunner
+
+    return ToolRunner(cfg.tools, tokenizer, cfg.rollout.max_tool_calls, on_done=on_done)
 
 
 def sampling_params(cfg, seeded: bool = True):
@@ -96,11 +117,22 @@ class EvalRun:
     generation, in jobs of about ``grade_answers`` answers (whole problems): one job per problem
     cost the engine loop ~15% on 2 cores in round trips to the grading processes. Each job's
     deadline is ``answer_timeout_s`` per answer (the training grader's is per group of G).
+
+    With ``tools`` (a `ToolRunner`: multi-turn tool use, as in training) each of the k samples is
+    its own request ``<prefix>-<set>-<i>-<j>``; a turn that stops at ``</code>`` runs its program,
+    and ``poll`` appends the output and submits the next turn (``-<turn>`` appended to the id)
+    within the ``params.max_tokens`` budget. Tool output counts toward the response length.
     """
 
     def __init__(self, sets: dict[str, list[Prompt]], params, grader, prefix: str = "eval",
-                 grade_answers: int = 64, answer_timeout_s: float | None = None, progress: bool = False):
+                 grade_answers: int = 64, answer_timeout_s: float | None = None, progress: bool = False,
+                 tools=None):
         self.sets, self.params, self.grader, self.prefix = sets, params, grader, prefix
+        self.tools = tools
+        self._samples: dict[tuple[str, int], list[list[int] | None]] = {}  # tools: per problem, k responses
+        self._turns: dict[tuple[str, int, int], tuple[list[int], list[int], int]] = {}  # (prompt, response, turn)
+        self._engine = self._priority = self._salt = None
+        self.tool_calls = 0
         self.grade_answers = grade_answers
         self.answer_timeout_s = answer_timeout_s
         self.results: dict[str, list[list[bool] | None]] = {name: [None] * len(ps) for name, ps in sets.items()}
@@ -121,8 +153,15 @@ class EvalRun:
 
     def submit(self, engine, priority: int = 0, salt: str | None = None) -> None:
         """Add every problem's request; ``salt`` keys the prefix cache (the weight version)."""
+        self._engine, self._priority, self._salt = engine, priority, salt
         for name, prompts in self.sets.items():
             for i, p in enumerate(prompts):
+                if self.tools is not None:
+                    self._samples[(name, i)] = [None] * self.params.n
+                    ids = self.tools.tokenizer(p.text, add_special_tokens=False).input_ids
+                    for j in range(self.params.n):
+                        self._add_turn((name, i, j), ids, [], 0)
+                    continue
                 rid = f"{self.prefix}-{name}-{i}"
                 self._requests[rid] = (name, i)
                 prompt = {"prompt": p.text} if salt is None else {"prompt": p.text, "cache_salt": salt}
@@ -135,8 +174,62 @@ class EvalRun:
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
+    def _add_turn(self, key: tuple[str, int, int], prompt_ids: list[int], response: list[int], turn: int) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        name, i, j = key
+        rid = f"{self.prefix}-{name}-{i}-{j}" + (f"-{turn}" if turn else "")
+        p = self.params
+        seed = None if p.seed is None else p.seed + j + 100_003 * turn  # k distinct samples, seeded
+        params = SamplingParams(n=1, max_tokens=p.max_tokens - len(response), temperature=p.temperature, top_p=p.top_p,
+                                seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
+                                **self.tools.turn_kwargs(turn))
+        self._requests[rid] = key
+        self._turns[key] = (prompt_ids, response, turn)
+        prompt = {"prompt_token_ids": prompt_ids + response}
+        if self._salt is not None:
+            prompt["cache_salt"] = self._salt
+        self._engine.add_request(rid, prompt, params, priority=self._priority)
+
+    def _on_turn(self, key: tuple[str, int, int], completion) -> None:
+        from pace.tools.runner import is_tool_stop
+
+        prompt_ids, response, turn = self._turns[key]
+        start = len(response)
+        response += completion.token_ids
+        left = self.params.max_tokens - len(response)
+        if is_tool_stop(completion) and left > 0:
+            self.tools.submit(key, response[start:], left)
+        else:
+            self._sample_done(key)
+
+    def _collect_tools(self) -> None:
+        for key, _result, ids in self.tools.poll():
+            self.tool_calls += 1
+            prompt_ids, response, turn = self._turns[key]
+            response += ids
+            if len(response) >= self.params.max_tokens:
+                self._sample_done(key)
+            else:
+                self._add_turn(key, prompt_ids, response, turn + 1)
+
+    def _sample_done(self, key: tuple[str, int, int]) -> None:
+        name, i, j = key
+        _, response, _ = self._turns.pop(key)
+        samples = self._samples[(name, i)]
+        samples[j] = response
+        if all(s is not None for s in samples):
+            del self._samples[(name, i)]
+            self.lengths.extend(len(s) for s in samples)
+            self._buffer.append((name, i, self.tools.tokenizer.batch_decode(samples, skip_special_tokens=True)))
+            self._received += 1
+
     def on_output(self, out) -> None:
         if not out.finished:
+            return
+        if self.tools is not None:
+            self._on_turn(self._requests[out.request_id], out.outputs[0])
             return
         name, i = self._requests[out.request_id]
         texts = [c.text for c in out.outputs]
@@ -149,6 +242,8 @@ class EvalRun:
     def poll(self, block: bool = False) -> bool:
         """Hand full grading jobs (all remaining once every problem is in) to the grader and take
         finished ones; ``block`` waits for all submitted jobs. True when every problem is graded."""
+        if self.tools is not None:
+            self._collect_tools()
         pending = sum(len(ts) for _, _, ts in self._buffer)
         if pending and (pending >= self.grade_answers or self._received == self.num_problems):
             self._submit_grading()
@@ -165,6 +260,8 @@ class EvalRun:
             self._bar.set_postfix(acc=f"{self._right / max(self._total, 1):.3f}")
         if self.done:
             self._bar.close()
+            if self.tools is not None:
+                self.tools.close()
         return self.done
 
     @property
@@ -182,15 +279,21 @@ class EvalRun:
 
 def evaluate(engine, sets: dict[str, list[Prompt]], params, grader, progress: bool = True,
              request_prefix: str = "eval", priority: int = 0, grade_answers: int = 64,
-             answer_timeout_s: float | None = None) -> dict[str, list[list[bool]]]:
+             answer_timeout_s: float | None = None, tools=None) -> dict[str, list[list[bool]]]:
     """Per benchmark, per problem, the k graded samples (``params.n = k``), on an engine
-    (a vLLM ``LLMEngine``) with nothing else running: this loop steps it until they are done."""
-    run = EvalRun(sets, params, grader, request_prefix, grade_answers, answer_timeout_s, progress)
+    (a vLLM ``LLMEngine``) with nothing else running: this loop steps it until they are done.
+    ``tools``: a `ToolRunner` for multi-turn tool use (see `EvalRun`)."""
+    import time
+
+    run = EvalRun(sets, params, grader, request_prefix, grade_answers, answer_timeout_s, progress, tools)
     run.submit(engine, priority)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if run.owns(out.request_id):
-                run.on_output(out)
+    while engine.has_unfinished_requests() or (tools is not None and tools.running):
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if run.owns(out.request_id):
+                    run.on_output(out)
+        else:
+            time.sleep(0.005)  # only tool calls are running
         run.poll()
     run.poll(block=True)
     return run.results  # type: ignore[return-value]

@@ -34,6 +34,7 @@ def group_schema():
         ("score", f), ("rho", f), ("budget", i), ("pfs_version", i), ("reward_mean", f),
         ("reward_std", f), ("acc_mean", f), ("len_mean", f), ("len_max", i),
         ("lengths", pa.list_(i)), ("num_tokens", i), ("versions_spanned", i),
+        ("num_actions", i), ("tool_calls", pa.list_(i)), ("tool_errors", i),
     ])
 
 
@@ -59,6 +60,10 @@ def group_row(group: Group) -> dict:
         "len_mean": None, "len_max": None, "lengths": [len(t) for t in trajs],
         "num_tokens": sum(len(t) for t in trajs),
         "versions_spanned": None,
+        # multi-turn tool use: model-generated tokens (num_tokens less tool output), calls per response
+        "num_actions": sum(t.num_actions for t in trajs),
+        "tool_calls": [t.tool_calls for t in trajs],
+        "tool_errors": sum(t.tool_errors for t in trajs),
     }
     complete = len(trajs) == len(group.trajectories) and trajs and all(t.completed_at >= 0 for t in trajs)
     if complete:

@@ -45,6 +45,8 @@ class Trajectory:
     reward: float = 0.0  # ±1 correctness plus overlong shaping
     advantage: float = 0.0
     action_mask: list[bool] | None = None
+    tool_calls: int = 0  # multi-turn: programs run for this response
+    tool_errors: int = 0  # of which did not succeed (error, timeout, killed, no program)
 
     def __len__(self) -> int:
         return len(self.response_ids)

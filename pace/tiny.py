@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import tokenizers
 import torch
@@ -33,8 +34,10 @@ from tokenizers import Regex, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from pace.tasks import tool_arithmetic
 from pace.tasks.arithmetic import ANSWER_PREFIX, ArithmeticSpec, make_prompts, prompt_text, random_expression, solution
 from pace.tasks.base import Prompt
+from pace.tasks.tool_arithmetic import ToolArithmeticSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +75,16 @@ class TinySpec:
     eval_prompts: int = 400
     eval_max_new_tokens: int = 96
     seed: int = 0
+    # The tool-use variant (issue #7): SFT on the tool task instead of `task`, `tool_fraction` of
+    # the traces calling the tool and the rest answering directly (see pace/tasks/tool_arithmetic).
+    tool: Optional[ToolArithmeticSpec] = None
+    tool_fraction: float = 0.25
 
     def key(self) -> str:
-        blob = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if self.tool is None:  # the arithmetic model's key (and cache) predates the tool variant
+            del fields["tool"], fields["tool_fraction"]
+        blob = json.dumps({"build_version": BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -149,8 +159,10 @@ def _build(spec: TinySpec, out: Path, progress: bool) -> None:
     model = Qwen3ForCausalLM(model_config(spec, tokenizer))
     final_loss = _sft(model, tokenizer, spec, progress)
     model.eval()
-    eval_prompts = make_prompts(spec.task, "train")[: spec.eval_prompts]
-    stats = _measure(model, tokenizer, eval_prompts, spec)
+    if spec.tool is None:
+        stats = _measure(model, tokenizer, make_prompts(spec.task, "train")[: spec.eval_prompts], spec)
+    else:
+        stats = _measure_tool(model, tokenizer, tool_arithmetic.make_prompts(spec.tool, "train")[: spec.eval_prompts], spec)
     model.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -173,14 +185,37 @@ def _build(spec: TinySpec, out: Path, progress: bool) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def _sft_examples(spec: TinySpec, rng: random.Random, n: int) -> list[tuple[str, list[tuple[str, bool]]]]:
+    """``n`` fresh (prompt, response segments) pairs; a segment's flag says whether it is trained
+    on (the interpreter text of a tool trace is context, as in the rollout)."""
+    task = spec.task if spec.tool is None else spec.tool
+    module = tool_arithmetic if spec.tool is not None else None
+    levels = task.level_list()
+    val = {p.text for p in (make_prompts(task, "val") if module is None else module.make_prompts(task, "val"))}
+    out = []
+    while len(out) < n:
+        if module is None:
+            text = prompt_text(random_expression(rng, rng.choice(levels)))
+            segments = [(solution(Prompt(id="", text=text, answer="")), True)]
+        else:
+            text = module.random_expression(rng, rng.choice(levels)) + "=?\n"
+            prompt = Prompt(id="", text=text, answer="")
+            if rng.random() < spec.tool_fraction:
+                call, output, answer = module.tool_segments(prompt)
+                segments = [(call, True), (output, False), (answer, True)]
+            else:
+                segments = [(module.direct_solution(prompt), True)]
+        if text not in val:
+            out.append((text, segments))
+    return out
+
+
 def _sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: TinySpec, progress: bool) -> float:
-    """Teacher-forced SFT on worked solutions; loss on response tokens and EOS only.
+    """Teacher-forced SFT on worked solutions (or tool/direct traces); loss on response tokens and EOS only.
 
     Problems come fresh from the generator (never a val prompt), not from the train split,
     so the warm start cannot memorise the prompts RL will train on.
     """
-    levels = spec.task.level_list()
-    val = {p.text for p in make_prompts(spec.task, "val")}
     rng = random.Random(f"tiny-sft-{spec.seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.98))
 
@@ -194,12 +229,7 @@ def _sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: Tiny
     bar = tqdm(range(spec.sft_steps), desc="tiny SFT", disable=not progress, mininterval=1.0)
     ema = float("nan")
     for step in bar:
-        texts = []
-        while len(texts) < spec.batch_size:
-            text = prompt_text(random_expression(rng, rng.choice(levels)))
-            if text not in val:
-                texts.append(text)
-        input_ids, attention_mask, labels = _sft_batch(tokenizer, texts)
+        input_ids, attention_mask, labels = _sft_batch(tokenizer, _sft_examples(spec, rng, spec.batch_size))
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
@@ -212,19 +242,25 @@ def _sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: Tiny
     return round(ema, 4)
 
 
-def _sft_batch(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> tuple[torch.Tensor, ...]:
-    prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    responses = tokenizer(
-        [solution(Prompt(id="", text=t, answer="")) for t in texts], add_special_tokens=False
-    )["input_ids"]
-    width = max(len(p) + len(r) + 1 for p, r in zip(prompts, responses))
-    input_ids = torch.full((len(texts), width), tokenizer.pad_token_id)
-    labels = torch.full((len(texts), width), -100)  # the model shifts labels itself
-    attention_mask = torch.zeros((len(texts), width), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        seq = p + r + [tokenizer.eos_token_id]
+def _sft_batch(tokenizer: PreTrainedTokenizerFast, examples: list[tuple[str, list[tuple[str, bool]]]]) -> tuple[torch.Tensor, ...]:
+    """Segments are tokenized separately, as the rollout tokenizes the interpreter text it appends."""
+    seqs, targets = [], []
+    for prompt, segments in examples:
+        seq = tokenizer(prompt, add_special_tokens=False).input_ids
+        target = [-100] * len(seq)
+        for text, trained in segments:
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            seq += ids
+            target += ids if trained else [-100] * len(ids)
+        seqs.append(seq + [tokenizer.eos_token_id])
+        targets.append(target + [tokenizer.eos_token_id])
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    labels = torch.full((len(seqs), width), -100)  # the model shifts labels itself
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (seq, target) in enumerate(zip(seqs, targets)):
         input_ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, len(p) : len(seq)] = torch.tensor(r + [tokenizer.eos_token_id])
+        labels[i, : len(seq)] = torch.tensor(target)
         attention_mask[i, : len(seq)] = 1
     return input_ids, attention_mask, labels
 
@@ -284,4 +320,60 @@ def _measure(model, tokenizer, prompts: list[Prompt], spec: TinySpec, batch: int
         "truncated_per_level": {
             lv: sum(n >= spec.eval_max_new_tokens for n in per_level[lv]["length"]) for lv in levels
         },
+    }
+
+
+@torch.no_grad()
+def _generate(model, tokenizer, texts: list[str], max_new_tokens: int, stop: list[str] | None = None) -> list[str]:
+    """Sampled continuations (temperature 1), each cut after EOS or a stop string (kept)."""
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         stop_strings=stop, tokenizer=tokenizer if stop else None)
+    texts = []
+    for ids in out[:, enc["input_ids"].shape[1]:].tolist():
+        n = ids.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in ids else len(ids)
+        text = tokenizer.decode(ids[:n])
+        for s in stop or []:
+            if s in text:
+                text = text[: text.index(s) + len(s)]
+        texts.append(text)
+    return texts
+
+
+def _measure_tool(model, tokenizer, prompts: list[Prompt], spec: TinySpec, batch: int = 200) -> dict:
+    """The tool model's sampled behaviour with real tool calls: it generates until `</code>` or EOS,
+    a program runs in the sandbox (bubblewrap when installed) and the model continues after the
+    interpreter text, once. Per level: accuracy, the tool-use rate, accuracy with and without it."""
+    from pace.tools.protocol import CODE_STOP, extract_code, format_output
+    from pace.tools.sandbox import Sandbox
+
+    per_level: dict[int, dict[str, int]] = {}
+    backend = "bwrap" if shutil.which("bwrap") else "process"
+    with Sandbox(backend) as sandbox:
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i : i + batch]
+            first = _generate(model, tokenizer, [p.text for p in chunk], spec.eval_max_new_tokens, stop=[CODE_STOP])
+            called = [j for j, t in enumerate(first) if t.endswith(CODE_STOP)]
+            outputs = [sandbox.run(extract_code(first[j]) or "") for j in called]
+            contexts = [chunk[j].text + first[j] + format_output(r.output, 512) for j, r in zip(called, outputs)]
+            finals = dict(zip(called, _generate(model, tokenizer, contexts, spec.eval_max_new_tokens))) if called else {}
+            for j, p in enumerate(chunk):
+                ok = parse_answer(finals.get(j, first[j])) == int(p.answer)
+                rec = per_level.setdefault(p.meta["level"], {"n": 0, "correct": 0, "tool": 0, "tool_correct": 0})
+                rec["n"] += 1
+                rec["correct"] += ok
+                rec["tool"] += j in finals
+                rec["tool_correct"] += ok and j in finals
+    levels = sorted(per_level)
+    r = {lv: per_level[lv] for lv in levels}
+    return {
+        "eval_prompts": len(prompts),
+        "sandbox": backend,
+        "accuracy_per_level": {lv: round(x["correct"] / x["n"], 3) for lv, x in r.items()},
+        "accuracy_overall": round(sum(x["correct"] for x in r.values()) / len(prompts), 3),
+        "tool_rate_per_level": {lv: round(x["tool"] / x["n"], 3) for lv, x in r.items()},
+        "accuracy_with_tool_per_level": {lv: round(x["tool_correct"] / max(x["tool"], 1), 3) for lv, x in r.items()},
+        "accuracy_direct_per_level": {lv: round((x["correct"] - x["tool_correct"]) / max(x["n"] - x["tool"], 1), 3)
+                                      for lv, x in r.items()},
     }

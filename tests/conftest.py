@@ -26,6 +26,17 @@ def tiny_model_path() -> str:
     return str(build_tiny(TinySpec(), ROOT / "data" / "cache", progress=False))
 
 
+@pytest.fixture(scope="session")
+def tiny_tool_model_path() -> str:
+    """The tiny tool-use model of conf/model/tiny_tool.yaml (what the *_tiny_tool presets build)."""
+    from omegaconf import OmegaConf
+
+    from pace.tiny import TinySpec, build_tiny
+
+    spec = OmegaConf.merge(OmegaConf.structured(TinySpec), OmegaConf.load(ROOT / "conf/model/tiny_tool.yaml").tiny)
+    return str(build_tiny(OmegaConf.to_object(spec), ROOT / "data" / "cache", progress=False))
+
+
 def run_train(args: list[str], run_dir: Path, timeout: float = 600, **kw):
     """Run train.py in a subprocess with its run directory at ``run_dir``."""
     import subprocess

@@ -10,6 +10,15 @@ Loop, one engine step at a time:
     validation set (one n = k request per problem, ahead of rollout work) and hold further weight
     updates until it is graded, so every validation sample comes from θ_v exactly
 
+Multi-turn tool use (`rollout.max_tool_calls` > 0, issue #7): a turn that stops at `</code>` hands
+its program to the `ToolRunner` (sandbox calls on a thread pool, while the engine steps the other
+requests); when the call returns, its interpreter text is tokenized and appended to the response
+as context (action_mask False, no behaviour log-prob: placeholder 0.0 and the engine version),
+and a continuation request (prompt + response so far, the rest of the `max_tokens` budget) goes
+back into the engine, salted with the weights version then loaded. Weight updates can land within
+a turn (in-flight requests continue) and between turns; the per-token versions record both. After
+`max_tool_calls` calls the stop string is no longer set. c(τ) is set when the last turn finishes.
+
 An exception here is stored in `error` and the trainer re-raises it within one poll interval.
 A checkpoint is taken while the thread is `paused()` between engine steps, so the pool, the
 sampler and the group ids it records are one consistent moment.
@@ -29,6 +38,7 @@ from pace.pool import Pool
 from pace.records import Group, Trajectory
 from pace.rollout import engine as engine_lib
 from pace.tasks.base import PromptSampler
+from pace.tools.runner import is_tool_stop
 
 
 class RolloutError(RuntimeError):
@@ -40,6 +50,12 @@ class _Pending:
     group: Group
     remaining: int
     responses: dict[int, Trajectory] = field(default_factory=dict)
+    turns: dict[int, int] = field(default_factory=dict)  # multi-turn: response → current turn (request id suffix)
+    turn_start: dict[int, int] = field(default_factory=dict)  # response → index of its current turn's first token
+
+    def request_id(self, i: int) -> str:
+        turn = self.turns.get(i, 0)
+        return f"g{self.group.id}-{i}" if turn == 0 else f"g{self.group.id}-{i}-{turn}"
 
 
 @dataclass
@@ -66,7 +82,6 @@ class Validation:
 class RolloutWorker(threading.Thread):
     def __init__(self, llm, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg, val_sets: dict | None = None):
         super().__init__(name="rollout", daemon=True)
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self.llm = llm
@@ -79,13 +94,13 @@ class RolloutWorker(threading.Thread):
         self.group_size = cfg.data.group_size
         self.deterministic = cfg.rollout.deterministic
         self.cpu_threads = cfg.rollout.cpu_threads if llm.llm_engine.vllm_config.device_config.device_type == "cpu" else 0
-        self.params = SamplingParams(
-            max_tokens=cfg.rollout.max_tokens,
+        self.max_tool_calls = cfg.rollout.max_tool_calls
+        self._sampling = dict(
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             logprobs=0,  # the sampled token's log-prob: ℓ^μ_t
             output_kind=RequestOutputKind.DELTA,
-            detokenize=False,
+            detokenize=bool(self.max_tool_calls),  # stop strings are matched on detokenized text
         )
         self.engine_version = 0  # weights loaded in the engine
         self.trainer_version = 0  # set by the trainer thread after each update
@@ -93,6 +108,12 @@ class RolloutWorker(threading.Thread):
         self.error_traceback = ""
         self._stopping = threading.Event()
         self._wake = threading.Event()
+        self.tools = None
+        if self.max_tool_calls:
+            from pace.tools.runner import ToolRunner
+
+            self.tools = ToolRunner(cfg.tools, tokenizer, self.max_tool_calls, on_done=self._wake.set)
+        self.params = self._turn_params(cfg.rollout.max_tokens, calls=0)
         self._pause_req = threading.Event()  # the trainer thread asks for a pause (checkpoint)
         self._paused = threading.Event()  # this thread acknowledges it, between engine steps
         self._update_lock = threading.Lock()
@@ -101,7 +122,7 @@ class RolloutWorker(threading.Thread):
         self._grading: deque[tuple[Group, object]] = deque()
         self._next_group_id = 0
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
-                      "rescore_seqs": 0, "rescore_skipped": 0, "capacity_wait_s": 0.0}
+                      "rescore_seqs": 0, "rescore_skipped": 0, "capacity_wait_s": 0.0, "tool_calls": 0, "tool_s": 0.0}
         # PACE: rescore pooled prefixes after each update (only the pace policy reads PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if cfg.pool.name == "pace" else 0
         self._rescoring: dict[int, _Rescore] = {}
@@ -115,6 +136,12 @@ class RolloutWorker(threading.Thread):
         self._val_next = 0 if cfg.eval.at_start else cfg.eval.every
         self._val = None  # (EvalRun, version, weights, start time) while one runs
         self.validated_version: int | None = None  # the last version whose validation was handed over
+
+    def _turn_params(self, max_tokens: int, calls: int):
+        from vllm import SamplingParams
+
+        tool = self.tools.turn_kwargs(calls) if self.tools is not None else {}
+        return SamplingParams(max_tokens=max_tokens, **tool, **self._sampling)
 
     # --- called from the trainer thread -----------------------------------------------------
     def post_weights(self, version: int, named_tensors: list) -> None:
@@ -182,7 +209,20 @@ class RolloutWorker(threading.Thread):
             "rollout/rescore_skipped": s["rescore_skipped"] - last["rescore_skipped"],
             # wall time in the interval when no group could start because the pool was full
             "rollout/capacity_wait_s": s["capacity_wait_s"] - last["capacity_wait_s"],
+        } | (self._tool_metrics(s, last) if self.tools is not None else {})
+
+    def _tool_metrics(self, s: dict, last: dict) -> dict:
+        """Calls finished in the interval, their summed sandbox seconds (`time/tools`, calls overlap
+        each other and generation), the calls running now, and calls per non-ok status."""
+        out = {
+            "tools/calls": s["tool_calls"] - last["tool_calls"],
+            "time/tools": s["tool_s"] - last["tool_s"],
+            "tools/running": self.tools.running,
         }
+        for status in ("error", "timeout", "killed", "truncated", "no_code"):
+            key = f"tool_{status}"
+            out[f"tools/errors/{status}"] = s.get(key, 0) - last.get(key, 0)
+        return out
 
     def check(self) -> None:
         """Re-raise a rollout failure in the calling thread."""
@@ -220,6 +260,10 @@ class RolloutWorker(threading.Thread):
                     if self.deterministic:  # see rollout.deterministic
                         for _, job in self._grading:
                             job.result()
+                        if self.tools is not None:
+                            self.tools.wait()
+                if self.tools is not None:
+                    busy |= self._collect_tools()
                 busy |= self._collect_grades()
                 busy |= self._poll_validation()
                 if not busy:
@@ -232,6 +276,8 @@ class RolloutWorker(threading.Thread):
             self.pool.wake()
         finally:
             self._abort_all()
+            if self.tools is not None:
+                self.tools.close()
 
     def _apply_update(self) -> bool:
         if self._val is not None:
@@ -261,7 +307,8 @@ class RolloutWorker(threading.Thread):
         every = self.cfg.eval.every
         self._val_next = (v // every + 1) * every
         run = evaluation.EvalRun(self.val_sets, evaluation.sampling_params(self.cfg, seeded=False), self.grader,
-                                 prefix=f"v{v}", answer_timeout_s=self.cfg.reward.timeout_s / self.group_size)
+                                 prefix=f"v{v}", answer_timeout_s=self.cfg.reward.timeout_s / self.group_size,
+                                 tools=evaluation.tool_runner(self.cfg, self.tokenizer, on_done=self._wake.set))
         run.submit(self.engine, priority=engine_lib.VALIDATION_PRIORITY, salt=engine_lib.cache_salt(v))
         self._val = (run, v, weights, time.perf_counter())
 
@@ -310,7 +357,8 @@ class RolloutWorker(threading.Thread):
             if group.id in self._rescoring:
                 continue  # still being scored under an earlier version: rescored at the next update
             # A prefix generated entirely by the loaded weights has distance 0 by definition: no request.
-            todo = [i for i, t in enumerate(group.trajectories) if any(x != v for x in t.versions[:m])]
+            todo = [i for i, t in enumerate(group.trajectories)
+                    if any(x != v for x, a in zip(t.versions[:m], _actions(t, m)) if a)]
             job = self._rescoring[group.id] = _Rescore(group, v, len(todo))
             job.distances.update({i: 0.0 for i in range(len(group.trajectories)) if i not in todo})
             self.stats["rescore_skipped"] += len(group.trajectories) - len(todo)
@@ -331,7 +379,9 @@ class RolloutWorker(threading.Thread):
         m = min(self.prefix_tokens, len(traj))
         ids = job.group.prompt_ids + traj.response_ids[:m]
         current = engine_lib.prompt_token_logprobs(out, ids, len(job.group.prompt_ids))
-        job.distances[idx] = sum(abs(a - b) for a, b in zip(current, traj.logprobs[:m])) / m
+        # over the model's own tokens: tool output in the prefix is context, with no ℓ^μ
+        diffs = [abs(a - b) for a, b, act in zip(current, traj.logprobs[:m], _actions(traj, m)) if act]
+        job.distances[idx] = sum(diffs) / max(len(diffs), 1)
         job.remaining -= 1
         if job.remaining == 0:
             self._finish_rescore(job)
@@ -376,23 +426,67 @@ class RolloutWorker(threading.Thread):
             if out.request_id[0] == "v":
                 self._val[0].on_output(out)
                 continue
-            gid, idx = out.request_id[1:].split("-")
-            pending = self._pending[int(gid)]
-            traj = pending.responses.get(int(idx))
+            gid, idx = (int(x) for x in out.request_id[1:].split("-")[:2])
+            pending = self._pending[gid]
+            traj = pending.responses.get(idx)
             if traj is None:
-                traj = pending.responses[int(idx)] = Trajectory([], [], [], completed_at=-1, finish_reason="")
+                traj = pending.responses[idx] = Trajectory([], [], [], completed_at=-1, finish_reason="")
+            tool_call = False
             for comp in out.outputs:
                 traj.response_ids.extend(comp.token_ids)
                 traj.logprobs.extend(lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs))
                 traj.versions.extend([version] * len(comp.token_ids))
+                if traj.action_mask is not None:
+                    traj.action_mask.extend([True] * len(comp.token_ids))
                 self.stats["tokens"] += len(comp.token_ids)
                 if out.finished:
                     traj.finish_reason = comp.finish_reason or "stop"
-            if out.finished:
-                traj.completed_at = self.trainer_version
-                pending.remaining -= 1
-                if pending.remaining == 0:
-                    self._finish_group(pending)
+                    tool_call = self.tools is not None and is_tool_stop(comp)
+            left = self.cfg.rollout.max_tokens - len(traj)
+            if tool_call and left > 0:  # the turn ended at </code>: run the program, the response continues after it
+                self.tools.submit((gid, idx), traj.response_ids[pending.turn_start.get(idx, 0):], left)
+            elif out.finished:
+                self._finish_response(pending, traj)
+
+    def _finish_response(self, pending: _Pending, traj: Trajectory) -> None:
+        traj.completed_at = self.trainer_version
+        pending.remaining -= 1
+        if pending.remaining == 0:
+            self._finish_group(pending)
+
+    def _collect_tools(self) -> bool:
+        """Append each finished call's interpreter text to its response and continue generating."""
+        done = self.tools.poll()
+        budget = self.cfg.rollout.max_tokens
+        for (gid, idx), result, ids in done:
+            pending = self._pending.get(gid)
+            if pending is None:  # abandoned while its call ran (a stop)
+                continue
+            traj = pending.responses[idx]
+            traj.tool_calls += 1
+            traj.tool_errors += not result.ok
+            self.stats["tool_calls"] += 1
+            self.stats["tool_s"] += result.seconds
+            if result.status != "ok":
+                self.stats[f"tool_{result.status}"] = self.stats.get(f"tool_{result.status}", 0) + 1
+            if traj.action_mask is None:
+                traj.action_mask = [True] * len(traj)
+            traj.response_ids.extend(ids)
+            traj.logprobs.extend([0.0] * len(ids))
+            traj.versions.extend([self.engine_version] * len(ids))
+            traj.action_mask.extend([False] * len(ids))
+            left = budget - len(traj)
+            if left <= 0:  # the tool output used up the response budget
+                traj.finish_reason = "length"
+                self._finish_response(pending, traj)
+                continue
+            pending.turns[idx] = pending.turns.get(idx, 0) + 1
+            pending.turn_start[idx] = len(traj)
+            prompt = {"prompt_token_ids": pending.group.prompt_ids + traj.response_ids,
+                      "cache_salt": engine_lib.cache_salt(self.engine_version)}
+            params = self._turn_params(left, calls=traj.tool_calls)
+            self.engine.add_request(pending.request_id(idx), prompt, params)
+        return bool(done)
 
     def _finish_group(self, pending: _Pending) -> None:
         del self._pending[pending.group.id]
@@ -424,7 +518,7 @@ class RolloutWorker(threading.Thread):
             traj.advantage = adv
 
     def _abort_all(self) -> None:
-        ids = [f"g{gid}-{i}" for gid in self._pending for i in range(self.group_size)]
+        ids = [p.request_id(i) for p in self._pending.values() for i in range(self.group_size)]
         ids += [f"s{gid}-{i}" for gid, job in self._rescoring.items() for i in range(len(job.group.trajectories))]
         if self._val is not None:
             ids += self._val[0].request_ids
@@ -433,3 +527,8 @@ class RolloutWorker(threading.Thread):
                 self.engine.abort_request(ids)
         except Exception:  # noqa: BLE001 - best effort at shutdown; the groups stay counted as in flight
             pass
+
+
+def _actions(traj: Trajectory, m: int) -> list[bool]:
+    """Which of the first ``m`` response tokens the model generated."""
+    return [True] * min(m, len(traj)) if traj.action_mask is None else traj.action_mask[:m]

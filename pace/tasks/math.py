@@ -20,8 +20,19 @@ DAPO_PREFIX = (
 )
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
+# Multi-turn tool use (ReTool setting, rollout.max_tool_calls > 0): the protocol of pace/tools/protocol.py.
+RETOOL_PREFIX = (
+    "Solve the following math problem step by step. You may write Python code to help your reasoning: "
+    "put a complete script (with its imports) between <code> and </code>, as\n<code>\n```python\n"
+    "print(1 + 1)\n```\n</code>\nand it will be run in a sandbox; what it prints comes back between "
+    "<interpreter> and </interpreter>, and you continue from there. Use print to see results. "
+    "The last line of your response should be of the form Answer: $Answer (without quotes) where "
+    "$Answer is the answer to the problem.\n\n"
+)
+
 TEMPLATES = {
     "dapo": lambda problem: DAPO_PREFIX + problem + DAPO_SUFFIX,
+    "retool": lambda problem: RETOOL_PREFIX + problem + DAPO_SUFFIX,
     "plain": lambda problem: problem,
 }
 

@@ -4,16 +4,19 @@ A prompt is the bare expression, ``"4821*937=?\\n"``. Worked in the head, a prod
 multi-digit numbers is out of the tiny model's reach; with the tool it is one line of code. The
 two response styles the SFT warm start mixes (`pace.tiny` builds it):
 
-    with the tool                                    direct (a guess; wrong unless lucky)
-    <code>                                           Answer: 4517000
-    ```python
+    with the tool                                    direct (in the head)
+    <code>                                           Answer: 4517277
     print(4821*937)
-    ```
     </code>
     <interpreter>
     4517277
     </interpreter>
     Answer: 4517277
+
+Both traces are right; the model can only reproduce the direct one where it has learned the
+arithmetic (level 1, in part), while the tool trace only asks it to copy the expression into the
+program and the interpreter's output into the answer. (No ``` fence in the tiny traces: every
+character is a token; `extract_code` accepts fenced and bare programs.)
 
 The interpreter block is what the rollout appends after running the code (pace/tools/protocol.py);
 in a trace it stands for the tool's real output, so the model learns to read it. The warm start
@@ -23,8 +26,8 @@ Levels (operand widths in digits; the sums have five terms):
 
     | level | expression        | example         |
     | ----- | ----------------- | --------------- |
-    | 1     | 2-digit × 2-digit | 47*86           |
-    | 2     | 3-digit × 2-digit | 482*93          |
+    | 1     | 1-digit × 2-digit | 7*86            |
+    | 2     | 2-digit × 2-digit | 47*86           |
     | 3     | 3-digit × 3-digit | 482*937         |
     | 4     | sum of 5 × 4-digit | 4821+9370+1234+5678+2468 |
 """
@@ -37,14 +40,14 @@ from pace.tasks.arithmetic import check_levels, draw_expressions
 from pace.tasks.base import Prompt
 from pace.tools.protocol import CODE_START, CODE_STOP, format_output
 
-LEVELS: dict[int, tuple[str, list[int]]] = {1: ("*", [2, 2]), 2: ("*", [3, 2]), 3: ("*", [3, 3]), 4: ("+", [4] * 5)}
+LEVELS: dict[int, tuple[str, list[int]]] = {1: ("*", [1, 2]), 2: ("*", [2, 2]), 3: ("*", [3, 3]), 4: ("+", [4] * 5)}
 ANSWER_PREFIX = "Answer: "
 
 
 @dataclass
 class ToolArithmeticSpec:
     levels: list[int] | None = None  # subset of LEVELS; None = all, round-robin
-    n_train: int = 4000
+    n_train: int = 2000  # level 1 has 810 distinct problems: 500 per level for training, 100 for val
     n_val: int = 400
     seed: int = 0
 
@@ -67,21 +70,22 @@ def evaluate(expression: str) -> int:
     return sum(int(x) for x in expression.split("+"))
 
 
+def tool_segments(prompt: Prompt) -> tuple[str, str, str]:
+    """The response that asks the tool, as (model text up to the stop, interpreter text, model
+    text after it): the middle part is what the rollout appends (context, not actions)."""
+    expression = prompt.text.removesuffix("=?\n")
+    value = str(evaluate(expression))
+    return f"{CODE_START}\nprint({expression})\n{CODE_STOP}", format_output(value, 1000), f"{ANSWER_PREFIX}{value}"
+
+
 def tool_solution(prompt: Prompt) -> str:
     """The response that asks the tool, reads its output and answers (no EOS)."""
-    expression = prompt.text.removesuffix("=?\n")
-    code = f"print({expression})"
-    return (f"{CODE_START}\n```python\n{code}\n```\n{CODE_STOP}" + format_output(str(evaluate(expression)), 1000)
-            + f"{ANSWER_PREFIX}{evaluate(expression)}")
+    return "".join(tool_segments(prompt))
 
 
-def direct_solution(prompt: Prompt, rng: random.Random) -> str:
-    """A direct answer as a model without the tool would give it: the right leading digits, the
-    rest guessed (right only by chance on the harder levels)."""
-    value = str(evaluate(prompt.text.removesuffix("=?\n")))
-    keep = max(1, len(value) // 2)
-    guess = value[:keep] + "".join(str(rng.randint(0, 9)) for _ in range(len(value) - keep))
-    return f"{ANSWER_PREFIX}{guess}"
+def direct_solution(prompt: Prompt) -> str:
+    """The answer given directly, without the tool (no EOS)."""
+    return ANSWER_PREFIX + str(evaluate(prompt.text.removesuffix("=?\n")))
 
 
 def make_prompts(spec: ToolArithmeticSpec, split: str) -> list[Prompt]:

@@ -131,6 +131,10 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["pool=pace", "pace.target_pool=8", "data.batch_prompts=32"], "pace.target_pool"),
         (["trainer.save_every=-1"], "trainer.save_every"),
         (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints"),
+        (["rollout.max_tool_calls=-1"], "rollout.max_tool_calls"),
+        (["tools.sandbox=docker"], "tools.sandbox"),
+        (["tools.workers=0"], "tools.workers"),
+        (["data.template=chatml"], "data.template"),
     ],
 )
 def test_validate_rejects_and_names_the_key(overrides: list[str], key: str) -> None:
@@ -153,6 +157,20 @@ def test_paper_presets_evaluate_on_math6_and_tiny_on_arithmetic() -> None:
         assert list(cfg.eval.benchmarks) == ["math6"] and cfg.eval.k == 32  # paper: mean@32
     assert list(compose_cfg(["+exp=pace_tiny"]).eval.benchmarks) == ["arithmetic"]
     assert compose_cfg(["+exp=pace_qwen3_8b"]).eval.every > 0  # validated in training, on the rollout engine
+
+
+def test_tool_presets_use_tools_with_the_same_method_settings() -> None:
+    for method in ("sync", "async", "pace"):
+        tool, plain = compose_cfg([f"+exp={method}_tiny_tool"]), compose_cfg([f"+exp={method}_tiny"])
+        assert tool.rollout.max_tool_calls > 0 and tool.data.source == "tool_arithmetic"
+        assert tool.model.tiny.tool is not None and list(tool.eval.benchmarks) == ["tool_arithmetic"]
+        assert (tool.pool, tool.algo, tool.pace) == (plain.pool, plain.algo, plain.pace)
+    for method in ("sync", "async", "pace", "m2po"):
+        retool, plain = compose_cfg([f"+exp={method}_qwen3_4b_retool"]), compose_cfg([f"+exp={'async' if method == 'm2po' else method}_qwen3_4b"])
+        assert retool.rollout.max_tool_calls == 8 and retool.data.template == "retool"
+        assert retool.model.path == "Qwen/Qwen3-4B" and retool.pool == plain.pool
+        assert retool.algo.name == ("m2po" if method == "m2po" else "dapo")
+        validate(retool)
 
 
 def _saved_config(tmp_path: Path, overrides: list[str]) -> Path:

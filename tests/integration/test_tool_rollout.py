@@ -1,0 +1,189 @@
+"""Multi-turn tool rollouts on the real vLLM CPU engine with the tiny tool model and the real
+sandbox: the worker stops at </code>, runs the program, appends the interpreter tokens as masked
+context and continues; versions, log-probs and masks line up, the loss mask and the staleness
+averages leave tool tokens out, and an update landing between turns is recorded."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_tool_model_path):
+    from pace.config import RolloutConfig
+    from pace.rollout import engine as engine_lib
+
+    llm = engine_lib.build_engine(tiny_tool_model_path, RolloutConfig(max_model_len=224), "float32", seed=0)
+    yield llm
+    engine_lib.shutdown(llm)
+
+
+def _worker(llm, levels, groups=4, max_tool_calls=2):
+    from omegaconf import OmegaConf
+
+    from pace.config import Config
+    from pace.pool import Pool, build_policy
+    from pace.reward import Grader
+    from pace.rollout.worker import RolloutWorker
+    from pace.tasks.base import PromptSampler
+    from pace.tasks.tool_arithmetic import ToolArithmeticSpec, make_prompts
+
+    cfg = OmegaConf.structured(Config)
+    cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = groups, 8, groups
+    cfg.rollout.max_tokens, cfg.rollout.max_model_len, cfg.rollout.max_tool_calls = 160, 224, max_tool_calls
+    cfg.tools.output_chars = 64
+    pool = Pool(build_policy(cfg), informative=lambda g: True)
+    sampler = PromptSampler(make_prompts(ToolArithmeticSpec(levels=levels), "train"), seed=0)
+    grader = Grader(workers=1)
+    return RolloutWorker(llm, llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg), grader
+
+
+def _drive(worker, llm, on_step=None):
+    """Step the worker by hand until every group is graded; ``on_step(i)`` after each engine step."""
+    import time
+
+    i = 0
+    while worker._pending or worker._grading:
+        if llm.llm_engine.has_unfinished_requests():
+            worker._consume(llm.llm_engine.step())
+            i += 1
+            if on_step is not None:
+                on_step(i)
+        else:
+            time.sleep(0.01)
+        worker._collect_tools()
+        worker._collect_grades()
+    return worker.pool.drain_arrived()
+
+
+def _spans(mask):
+    """(start, end) of each run of False in ``mask``."""
+    out, start = [], None
+    for t, a in enumerate([*mask, True]):
+        if not a and start is None:
+            start = t
+        elif a and start is not None:
+            out.append((start, t))
+            start = None
+    return out
+
+
+def test_tool_turns_are_masked_context_with_versions_and_logprobs(llm):
+    import torch
+
+    from pace.algo.trainer import collate
+    from pace.reward import extract_answer
+    from pace.staleness import group_staleness
+    from pace.tools.protocol import CODE_STOP, OUTPUT_END, OUTPUT_START
+
+    worker, grader = _worker(llm, levels=[2, 4])
+    tok = llm.get_tokenizer()
+    worker._admit()
+    update_at = 12  # an update between engine steps: lands within turns of some responses, between turns of others
+    weights = [(n, p.clone()) for n, p in _model_weights(llm)]
+
+    def on_step(i):
+        if i == update_at:
+            worker.set_trainer_version(1)
+            worker.post_weights(1, weights)
+            assert worker._apply_update()
+
+    groups = _drive(worker, llm, on_step)
+    worker.tools.close()
+    grader.close()
+    assert len(groups) == 4
+    trajs = [t for g in groups for t in g.trajectories]
+    used = [t for t in trajs if t.tool_calls]
+    assert len(used) >= 4, f"only {len(used)} of {len(trajs)} responses called the tool"
+    for t in trajs:
+        assert len(t.versions) == len(t.logprobs) == len(t.response_ids)
+        assert t.completed_at == 1
+        if not t.tool_calls:
+            assert t.action_mask is None
+            continue
+        spans = _spans(t.action_mask)
+        assert len(spans) == t.tool_calls <= 2
+        for start, end in spans:
+            assert tok.decode(t.response_ids[:start]).endswith(CODE_STOP)  # the turn stopped at </code>
+            text = tok.decode(t.response_ids[start:end])
+            assert text.startswith(OUTPUT_START) and (text.endswith(OUTPUT_END) or end == len(t))
+            assert all(lp == 0.0 for lp in t.logprobs[start:end])  # no behaviour log-prob
+        acts = [lp for lp, a in zip(t.logprobs, t.action_mask) if a]
+        assert all(lp <= 0.0 for lp in acts) and any(lp < 0.0 for lp in acts)
+        assert t.action_versions == sorted(t.action_versions)
+        assert t.num_actions == sum(t.action_mask) < len(t)
+    # graded on the final answer, after the interpreter block (which may hold the right number)
+    for g in groups:
+        for t in g.trajectories:
+            assert t.correct == (extract_answer(t.text) == g.answer)
+    # updates within and between turns are both on record
+    assert any(t.versions[0] == 0 and t.action_versions[-1] == 1 for t in used)
+
+    # the loss mask is the action mask (prompt tokens and tool output excluded)
+    g = max(groups, key=lambda g: sum(t.tool_calls for t in g.trajectories))
+    batch = collate(g.trajectories, [g.prompt_ids] * len(g.trajectories))
+    p = len(g.prompt_ids)
+    for row, t in enumerate(g.trajectories):
+        assert batch["loss_mask"][row, : p - 1].sum() == 0
+        mask = batch["loss_mask"][row, p - 1 : p - 1 + len(t)].bool().tolist()  # logits at p−1 score token 0
+        assert mask == (t.action_mask or [True] * len(t))
+        assert batch["logp_behavior"][row, p - 1 : p - 1 + len(t)].tolist() == pytest.approx(t.logprobs)
+    # staleness averages run over model tokens only (Lemma 1 on them)
+    for g in groups:
+        k, k_gen, k_wait = g.staleness(3)
+        ref = group_staleness([t.action_versions for t in g.trajectories], [t.completed_at for t in g.trajectories], 3)
+        assert (k, k_gen, k_wait) == pytest.approx(ref)
+        assert k == pytest.approx(k_gen + k_wait)
+        assert torch.isfinite(torch.tensor([k, k_gen, k_wait])).all()
+
+
+def _model_weights(llm):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llm.llm_engine.vllm_config.model_config.model)
+    return list(model.state_dict().items())
+
+
+def test_evaluation_runs_tool_calls_per_sample(llm):
+    """eval.py / in-training validation with tools: each of the k samples is its own multi-turn
+    request; graded texts contain the interpreter output of the calls they made."""
+    from omegaconf import OmegaConf
+
+    from pace.config import Config
+    from pace.evaluation import EvalRun, load_sets, sampling_params, tool_runner
+    from pace.reward import Grader
+
+    cfg = OmegaConf.structured(Config)
+    cfg.rollout.max_tool_calls, cfg.rollout.max_tokens, cfg.rollout.max_model_len = 2, 160, 224
+    cfg.eval.k = 4
+    sets = {name: ps[:6] for name, ps in load_sets(["tool_arithmetic"], None, "dapo").items()}
+    tools = tool_runner(cfg, llm.get_tokenizer())
+    texts = []
+    with Grader(workers=1) as grader:
+        run = EvalRun(sets, sampling_params(cfg, seeded=False), grader, tools=tools)
+        original = run._sample_done
+
+        def record(key):  # keep every finished sample's text
+            texts.append(llm.get_tokenizer().decode(run._turns[key][1]))
+            original(key)
+
+        run._sample_done = record
+        run.submit(llm.llm_engine)
+        import time
+
+        deadline = time.monotonic() + 300
+        while not run.poll():
+            assert time.monotonic() < deadline
+            if llm.llm_engine.has_unfinished_requests():
+                for out in llm.llm_engine.step():
+                    if run.owns(out.request_id):
+                        run.on_output(out)
+            else:
+                time.sleep(0.01)
+    assert sorted(run.results) == ["tool_l1", "tool_l2", "tool_l3", "tool_l4"]
+    assert all(len(r) == 6 and all(len(c) == 4 for c in r) for r in run.results.values())
+    assert len(texts) == 4 * 6 * 4 == len(run.lengths)
+    with_tool = [t for t in texts if "<interpreter>" in t]
+    assert run.tool_calls >= len(with_tool) > 0
+    assert all("</code>" in t.split("<interpreter>")[0] for t in with_tool)
