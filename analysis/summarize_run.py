@@ -28,6 +28,13 @@ def summarize(run_dir: str, window: int = 20) -> bool:
     if "rollout/acc_mean" in s:
         a = s["rollout/acc_mean"]
         print(f"accuracy of all completed groups (incl. filtered): first {window} steps {a.head(window).mean():.3f}   last {window} steps {a.tail(window).mean():.3f}")
+    if "tools/used_frac" in s:  # multi-turn tool runs
+        for key, what in (("tools/used_frac", "responses calling the tool"),
+                          ("tools/used_frac_correct", "correct answers that used the tool"),
+                          ("tools/acc_with_tool", "accuracy with the tool"),
+                          ("tools/acc_without_tool", "accuracy without it")):
+            if key in s:
+                print(f"{what}: first {window} steps {s[key].head(window).mean():.3f}   last {window} steps {s[key].tail(window).mean():.3f}")
     times = "  ".join(f"{k.split('/')[1]} {s[k].mean():.3f}" for k in PHASES if k in s)
     print(f"seconds per step (mean): {times}")
     ok = True

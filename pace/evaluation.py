@@ -121,7 +121,8 @@ class EvalRun:
     With ``tools`` (a `ToolRunner`: multi-turn tool use, as in training) each of the k samples is
     its own request ``<prefix>-<set>-<i>-<j>``; a turn that stops at ``</code>`` runs its program,
     and ``poll`` appends the output and submits the next turn (``-<turn>`` appended to the id)
-    within the ``params.max_tokens`` budget. Tool output counts toward the response length.
+    within the ``params.max_tokens`` budget. Tool output counts toward the response length; a
+    sample is graded on its own tokens only (a program printing "Answer: ..." does not answer).
     """
 
     def __init__(self, sets: dict[str, list[Prompt]], params, grader, prefix: str = "eval",
@@ -129,8 +130,9 @@ class EvalRun:
                  tools=None):
         self.sets, self.params, self.grader, self.prefix = sets, params, grader, prefix
         self.tools = tools
-        self._samples: dict[tuple[str, int], list[list[int] | None]] = {}  # tools: per problem, k responses
-        self._turns: dict[tuple[str, int, int], tuple[list[int], list[int], int]] = {}  # (prompt, response, turn)
+        self._samples: dict[tuple[str, int], list] = {}  # tools: per problem, k (length, own tokens) or None
+        # per sample in progress: prompt, response (with tool output), turn, the model's own tokens
+        self._turns: dict[tuple[str, int, int], tuple[list[int], list[int], int, list[int]]] = {}
         self._engine = self._priority = self._salt = None
         self.tool_calls = 0
         self.grade_answers = grade_answers
@@ -174,7 +176,8 @@ class EvalRun:
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
-    def _add_turn(self, key: tuple[str, int, int], prompt_ids: list[int], response: list[int], turn: int) -> None:
+    def _add_turn(self, key: tuple[str, int, int], prompt_ids: list[int], response: list[int], turn: int,
+                  own: list[int] | None = None) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -186,7 +189,7 @@ class EvalRun:
                                 seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
                                 **self.tools.turn_kwargs(turn))
         self._requests[rid] = key
-        self._turns[key] = (prompt_ids, response, turn)
+        self._turns[key] = (prompt_ids, response, turn, [] if own is None else own)
         prompt = {"prompt_token_ids": prompt_ids + response}
         if self._salt is not None:
             prompt["cache_salt"] = self._salt
@@ -195,9 +198,10 @@ class EvalRun:
     def _on_turn(self, key: tuple[str, int, int], completion) -> None:
         from pace.tools.runner import is_tool_stop
 
-        prompt_ids, response, turn = self._turns[key]
+        prompt_ids, response, turn, own = self._turns[key]
         start = len(response)
         response += completion.token_ids
+        own += completion.token_ids
         left = self.params.max_tokens - len(response)
         if is_tool_stop(completion) and left > 0:
             self.tools.submit(key, response[start:], left)
@@ -207,22 +211,23 @@ class EvalRun:
     def _collect_tools(self) -> None:
         for key, _result, ids in self.tools.poll():
             self.tool_calls += 1
-            prompt_ids, response, turn = self._turns[key]
+            prompt_ids, response, turn, own = self._turns[key]
             response += ids
             if len(response) >= self.params.max_tokens:
                 self._sample_done(key)
             else:
-                self._add_turn(key, prompt_ids, response, turn + 1)
+                self._add_turn(key, prompt_ids, response, turn + 1, own)
 
     def _sample_done(self, key: tuple[str, int, int]) -> None:
         name, i, j = key
-        _, response, _ = self._turns.pop(key)
+        _, response, _, own = self._turns.pop(key)
         samples = self._samples[(name, i)]
-        samples[j] = response
+        samples[j] = (len(response), own)
         if all(s is not None for s in samples):
             del self._samples[(name, i)]
-            self.lengths.extend(len(s) for s in samples)
-            self._buffer.append((name, i, self.tools.tokenizer.batch_decode(samples, skip_special_tokens=True)))
+            self.lengths.extend(n for n, _ in samples)
+            texts = self.tools.tokenizer.batch_decode([own for _, own in samples], skip_special_tokens=True)
+            self._buffer.append((name, i, texts))
             self._received += 1
 
     def on_output(self, out) -> None:

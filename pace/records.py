@@ -57,6 +57,13 @@ class Trajectory:
         return len(self.response_ids) if self.action_mask is None else sum(self.action_mask)
 
     @property
+    def action_ids(self) -> list[int]:
+        """The model-generated tokens (what a multi-turn response is graded on)."""
+        if self.action_mask is None:
+            return self.response_ids
+        return [t for t, a in zip(self.response_ids, self.action_mask) if a]
+
+    @property
     def action_versions(self) -> list[int]:
         """v_t of the model-generated tokens (what the staleness averages run over)."""
         if self.action_mask is None:

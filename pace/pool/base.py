@@ -45,6 +45,9 @@ class AdmissionView:
     inflight: int  # submitted, not yet pooled or filtered
     pooled: int
     batch_prompts: int  # B
+    # started groups that will never reach a batch without a policy deciding it: filtered by dynamic
+    # sampling, or dropped at a stop (their prompts are drawn again)
+    discarded: int = 0
 
 
 @dataclass
@@ -293,6 +296,7 @@ class Pool:
             inflight=len(self._inflight),
             pooled=len(self._pooled),
             batch_prompts=self.policy.batch_prompts,
+            discarded=self._counts[Fate.FILTERED] + self._counts[Fate.DROPPED_SHUTDOWN],
         )
 
     def _decide(self, group: Group, fate: Fate, reason: str, step: int) -> None:

@@ -55,10 +55,13 @@ class StaleKPolicy(PoolPolicy):
 
 
 class GatePolicy(PoolPolicy):
-    """AReaL-style admission gate: a group may start only while (v + η + 1)·B > groups started.
+    """AReaL-style admission gate: a group may start only while (v + η + 1)·B > groups started
+    and not discarded.
 
     v is the trainer version and η = `pool.max_head_offpolicyness`: generation runs at most η
-    batches ahead of training. Selection is FIFO.
+    batches ahead of training. As in AReaL, the count is of groups that can still be trained on:
+    groups filtered by dynamic sampling (or dropped at a stop) give their place back, or a run
+    whose groups are mostly filtered could never complete a batch (a deadlock). Selection is FIFO.
     """
 
     name = "gate"
@@ -68,7 +71,8 @@ class GatePolicy(PoolPolicy):
         self.eta = max_head_offpolicyness
 
     def admits(self, view: AdmissionView) -> bool:
-        return (view.trainer_version + self.eta + 1) * view.batch_prompts > view.started and super().admits(view)
+        counted = view.started - view.discarded
+        return (view.trainer_version + self.eta + 1) * view.batch_prompts > counted and super().admits(view)
 
 
 class PacePolicy(PoolPolicy):

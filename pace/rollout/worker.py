@@ -495,6 +495,9 @@ class RolloutWorker(threading.Thread):
         texts = self.tokenizer.batch_decode([t.response_ids for t in group.trajectories], skip_special_tokens=True)
         for traj, text in zip(group.trajectories, texts):
             traj.text = text
+        if self.tools is not None:
+            # graded on the model's own tokens: a program printing "Answer: ..." must not answer for it
+            texts = self.tokenizer.batch_decode([t.action_ids for t in group.trajectories], skip_special_tokens=True)
         self._grading.append((group, self.grader.submit(texts, [group.answer] * len(texts))))
 
     def _collect_grades(self) -> bool:

@@ -113,12 +113,25 @@ def test_tool_turns_are_masked_context_with_versions_and_logprobs(llm):
         assert all(lp <= 0.0 for lp in acts) and any(lp < 0.0 for lp in acts)
         assert t.action_versions == sorted(t.action_versions)
         assert t.num_actions == sum(t.action_mask) < len(t)
-    # graded on the final answer, after the interpreter block (which may hold the right number)
+    # graded on the model's own final answer, not on the interpreter output (which may hold the number)
     for g in groups:
         for t in g.trajectories:
-            assert t.correct == (extract_answer(t.text) == g.answer)
+            assert t.correct == (extract_answer(tok.decode(t.action_ids)) == g.answer)
+            assert t.text == tok.decode(t.response_ids)
     # updates within and between turns are both on record
     assert any(t.versions[0] == 0 and t.action_versions[-1] == 1 for t in used)
+
+    # PACE's prefix rescoring compares model tokens only: θ_1 holds θ_0's values, so rescoring whole
+    # responses (tool output inside) gives a PFS of ~0; the tool tokens' placeholder 0.0 against
+    # their real log-probs would not
+    worker.prefix_tokens = 160
+    worker._rescore(groups)
+    while worker._rescoring:
+        for out in llm.llm_engine.step():
+            if out.request_id[0] == "s" and out.finished:
+                worker._consume_score(out)
+    for g in groups:
+        assert g.pfs is not None and g.pfs < 1e-3 and g.pfs_version == 1
 
     # the loss mask is the action mask (prompt tokens and tool output excluded)
     g = max(groups, key=lambda g: sum(t.tool_calls for t in g.trajectories))
@@ -166,6 +179,7 @@ def test_evaluation_runs_tool_calls_per_sample(llm):
 
         def record(key):  # keep every finished sample's text
             texts.append(llm.get_tokenizer().decode(run._turns[key][1]))
+            assert len(run._turns[key][3]) <= len(run._turns[key][1])  # the model's own tokens
             original(key)
 
         run._sample_done = record

@@ -212,6 +212,9 @@ def test_gate_admission_arithmetic():
     view = lambda v, started: AdmissionView(v, v, v, started, 0, 0, 4)  # noqa: E731
     assert gate.admits(view(0, 11)) and not gate.admits(view(0, 12))  # (0 + 2 + 1)·4 = 12
     assert gate.admits(view(1, 15)) and not gate.admits(view(1, 16))
+    # filtered (and shutdown-dropped) groups give their place back: mostly-filtered runs cannot deadlock
+    assert gate.admits(AdmissionView(0, 0, 0, 12, 0, 0, 4, discarded=1))
+    assert not gate.admits(AdmissionView(0, 0, 0, 13, 0, 0, 4, discarded=1))
 
 
 @settings(max_examples=100)

@@ -25,6 +25,7 @@ def test_staleness_averages_only_model_tokens():
     t = tool_traj()
     plain = Trajectory(response_ids=[1] * 5, logprobs=[0.0] * 5, versions=[0, 0, 1, 2, 2], completed_at=3, finish_reason="stop")
     assert t.action_versions == plain.versions and t.num_actions == 5 and len(t) == 9
+    assert t.action_ids == [10, 11, 12, 17, 18] and plain.action_ids == plain.response_ids  # graded text
     g_tool, g_plain = Group(0, "p", [1], "1", 0, [t]), Group(1, "p", [1], "1", 0, [plain])
     for step in (3, 4, 7):
         k, k_gen, k_wait = g_tool.staleness(step)
