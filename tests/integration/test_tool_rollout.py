@@ -116,8 +116,8 @@ def test_tool_turns_are_masked_context_with_versions_and_logprobs(llm):
     # graded on the model's own final answer, not on the interpreter output (which may hold the number)
     for g in groups:
         for t in g.trajectories:
-            assert t.correct == (extract_answer(tok.decode(t.action_ids)) == g.answer)
-            assert t.text == tok.decode(t.response_ids)
+            assert t.correct == (extract_answer(tok.decode(t.action_ids, skip_special_tokens=True)) == g.answer)
+            assert t.text == tok.decode(t.response_ids, skip_special_tokens=True)
     # updates within and between turns are both on record
     assert any(t.versions[0] == 0 and t.action_versions[-1] == 1 for t in used)
 
