@@ -134,7 +134,6 @@ class EvalRun:
         # per sample in progress: prompt, response (with tool output), turn, the model's own tokens
         self._turns: dict[tuple[str, int, int], tuple[list[int], list[int], int, list[int]]] = {}
         self._engine = self._priority = self._salt = None
-        self.tool_calls = 0
         self.grade_answers = grade_answers
         self.answer_timeout_s = answer_timeout_s
         self.results: dict[str, list[list[bool] | None]] = {name: [None] * len(ps) for name, ps in sets.items()}
@@ -148,6 +147,10 @@ class EvalRun:
 
         self._bar = tqdm(total=sum(len(ps) for ps in sets.values()), desc="eval", unit="problem",
                          disable=not progress, dynamic_ncols=True)
+
+    @property
+    def tool_calls(self) -> int:
+        return self.tools.stats["calls"] if self.tools is not None else 0
 
     @property
     def num_problems(self) -> int:
@@ -210,7 +213,6 @@ class EvalRun:
 
     def _collect_tools(self) -> None:
         for key, _result, ids in self.tools.poll():
-            self.tool_calls += 1
             prompt_ids, response, turn, own = self._turns[key]
             response += ids
             if len(response) >= self.params.max_tokens:

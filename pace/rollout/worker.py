@@ -122,7 +122,7 @@ class RolloutWorker(threading.Thread):
         self._grading: deque[tuple[Group, object]] = deque()
         self._next_group_id = 0
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
-                      "rescore_seqs": 0, "rescore_skipped": 0, "capacity_wait_s": 0.0, "tool_calls": 0, "tool_s": 0.0}
+                      "rescore_seqs": 0, "rescore_skipped": 0, "capacity_wait_s": 0.0}
         # PACE: rescore pooled prefixes after each update (only the pace policy reads PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if cfg.pool.name == "pace" else 0
         self._rescoring: dict[int, _Rescore] = {}
@@ -192,6 +192,8 @@ class RolloutWorker(threading.Thread):
         """Throughput since the previous call: tokens per second of wall time, engine busy fraction,
         and the engine time (`time/generate`) and rescoring wall time (`time/rescore`) in the interval."""
         now, s = time.perf_counter(), dict(self.stats)
+        if self.tools is not None:  # the runner counts calls, sandbox seconds, calls per status
+            s |= {f"tools.{k}": v for k, v in self.tools.stats.items()}
         t, last = self._last
         self._last = (now, s)
         dt = max(now - t, 1e-9)
@@ -214,14 +216,10 @@ class RolloutWorker(threading.Thread):
     def _tool_metrics(self, s: dict, last: dict) -> dict:
         """Calls finished in the interval, their summed sandbox seconds (`time/tools`, calls overlap
         each other and generation), the calls running now, and calls per non-ok status."""
-        out = {
-            "tools/calls": s["tool_calls"] - last["tool_calls"],
-            "time/tools": s["tool_s"] - last["tool_s"],
-            "tools/running": self.tools.running,
-        }
+        delta = lambda key: s.get(f"tools.{key}", 0) - last.get(f"tools.{key}", 0)  # noqa: E731
+        out = {"tools/calls": delta("calls"), "time/tools": delta("seconds"), "tools/running": self.tools.running}
         for status in ("error", "timeout", "killed", "truncated", "no_code"):
-            key = f"tool_{status}"
-            out[f"tools/errors/{status}"] = s.get(key, 0) - last.get(key, 0)
+            out[f"tools/errors/{status}"] = delta(f"status/{status}")
         return out
 
     def check(self) -> None:
@@ -465,10 +463,6 @@ class RolloutWorker(threading.Thread):
             traj = pending.responses[idx]
             traj.tool_calls += 1
             traj.tool_errors += not result.ok
-            self.stats["tool_calls"] += 1
-            self.stats["tool_s"] += result.seconds
-            if result.status != "ok":
-                self.stats[f"tool_{result.status}"] = self.stats.get(f"tool_{result.status}", 0) + 1
             if traj.action_mask is None:
                 traj.action_mask = [True] * len(traj)
             traj.response_ids.extend(ids)
