@@ -18,7 +18,9 @@ SMALL = {"data.batch_prompts": 4, "data.group_size": 4, "rollout.max_inflight_gr
     ("sync_tiny_tool", {}),
     ("async_tiny_tool", {}),
     # target B, ρ without memory and a backlog: rejections from the first steps
-    ("pace_tiny_tool", {"pace.target_pool": 4, "pace.ema": 0.0, "rollout.max_inflight_groups": 32, "trainer.steps": 5}),
+    # (G = 8: most groups of the weak tiny tool model are all wrong and filtered; more are mixed at G = 8)
+    ("pace_tiny_tool", {"pace.target_pool": 4, "pace.ema": 0.0, "rollout.max_inflight_groups": 48,
+                        "data.group_size": 8, "trainer.steps": 5}),
     ("async_tiny_tool", {"pool": "stale_k", "pool.max_lag": 1}),
     ("async_tiny_tool", {"pool": "gate", "pool.max_head_offpolicyness": 1}),
     ("async_tiny_tool", {"algo": "m2po"}),
