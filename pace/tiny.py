@@ -185,26 +185,30 @@ def _build(spec: TinySpec, out: Path, progress: bool) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def _sft_examples(spec: TinySpec, rng: random.Random, n: int) -> list[tuple[str, list[tuple[str, bool]]]]:
-    """``n`` fresh (prompt, response segments) pairs; a segment's flag says whether it is trained
-    on (the interpreter text of a tool trace is context, as in the rollout)."""
-    task = spec.task if spec.tool is None else spec.tool
-    module = tool_arithmetic if spec.tool is not None else None
-    levels = task.level_list()
-    val = {p.text for p in (make_prompts(task, "val") if module is None else module.make_prompts(task, "val"))}
+def _val_texts(spec: TinySpec) -> set[str]:
+    """The val prompts of the task SFT draws from (never trained on)."""
+    if spec.tool is None:
+        return {p.text for p in make_prompts(spec.task, "val")}
+    return {p.text for p in tool_arithmetic.make_prompts(spec.tool, "val")}
+
+
+def _sft_examples(spec: TinySpec, rng: random.Random, n: int, val: set[str]) -> list[tuple[str, list[tuple[str, bool]]]]:
+    """``n`` fresh (prompt, response segments) pairs outside ``val``; a segment's flag says whether it
+    is trained on (the interpreter text of a tool trace is context, as in the rollout)."""
+    levels = (spec.task if spec.tool is None else spec.tool).level_list()
     out = []
     while len(out) < n:
-        if module is None:
+        if spec.tool is None:
             text = prompt_text(random_expression(rng, rng.choice(levels)))
             segments = [(solution(Prompt(id="", text=text, answer="")), True)]
         else:
-            text = module.random_expression(rng, rng.choice(levels)) + "=?\n"
+            text = tool_arithmetic.random_expression(rng, rng.choice(levels)) + "=?\n"
             prompt = Prompt(id="", text=text, answer="")
             if rng.random() < spec.tool_fraction:
-                call, output, answer = module.tool_segments(prompt)
+                call, output, answer = tool_arithmetic.tool_segments(prompt)
                 segments = [(call, True), (output, False), (answer, True)]
             else:
-                segments = [(module.direct_solution(prompt), True)]
+                segments = [(tool_arithmetic.direct_solution(prompt), True)]
         if text not in val:
             out.append((text, segments))
     return out
@@ -217,6 +221,7 @@ def _sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: Tiny
     so the warm start cannot memorise the prompts RL will train on.
     """
     rng = random.Random(f"tiny-sft-{spec.seed}")
+    val = _val_texts(spec)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.98))
 
     def lr_at(step: int) -> float:
@@ -229,7 +234,7 @@ def _sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: Tiny
     bar = tqdm(range(spec.sft_steps), desc="tiny SFT", disable=not progress, mininterval=1.0)
     ema = float("nan")
     for step in bar:
-        input_ids, attention_mask, labels = _sft_batch(tokenizer, _sft_examples(spec, rng, spec.batch_size))
+        input_ids, attention_mask, labels = _sft_batch(tokenizer, _sft_examples(spec, rng, spec.batch_size, val))
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss

@@ -440,8 +440,8 @@ class RolloutWorker(threading.Thread):
                 if out.finished:
                     traj.finish_reason = comp.finish_reason or "stop"
                     tool_call = self.tools is not None and is_tool_stop(comp)
-            left = self.cfg.rollout.max_tokens - len(traj)
-            if tool_call and left > 0:  # the turn ended at </code>: run the program, the response continues after it
+            left = self.cfg.rollout.max_tokens - len(traj) if tool_call else 0
+            if left > 0:  # the turn ended at </code>: run the program, the response continues after it
                 self.tools.submit((gid, idx), traj.response_ids[pending.turn_start.get(idx, 0):], left)
             elif out.finished:
                 self._finish_response(pending, traj)
