@@ -43,27 +43,33 @@ def main(cfg: DictConfig) -> None:
         from pace.evaluation import sets_from_config
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        sets = sets_from_config(cfg, tokenizer)
+        sets, dropped = sets_from_config(cfg, tokenizer)
     except (UserError, ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
     from pace import evaluation
-    from pace.reward import Grader
+    from pace.grading import Grader, GraderError
 
     k = cfg.eval.k
     params = evaluation.sampling_params(cfg, seeded=device == "cuda")
     llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
     # Grading jobs hold ~GRADE_ANSWERS answers; reward.timeout_s is the deadline of a training
     # group's G answers, so each job's deadline is that per answer times the job's size.
-    with Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s) as grader:
-        # rollout.max_tool_calls > 0 (the *_tool / *_retool presets): multi-turn, sandboxed tool calls
-        results = evaluation.evaluate(llm.llm_engine, sets, params, grader, progress=cfg.logger.progress,
-                                      grade_answers=GRADE_ANSWERS,
-                                      answer_timeout_s=cfg.reward.timeout_s / cfg.data.group_size,
-                                      tools=evaluation.tool_runner(cfg, tokenizer))
-        grading = grader.stats()
-    engine_lib.shutdown(llm)
+    try:
+        with Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
+                    max_failed_in_row=cfg.reward.max_failed_in_row) as grader:
+            # rollout.max_tool_calls > 0 (the *_tool / *_retool presets): multi-turn, sandboxed tool calls
+            results = evaluation.evaluate(llm.llm_engine, sets, params, grader, progress=cfg.logger.progress,
+                                          grade_answers=GRADE_ANSWERS,
+                                          answer_timeout_s=cfg.reward.timeout_s / cfg.data.group_size,
+                                          tools=evaluation.tool_runner(cfg, tokenizer))
+            grading = grader.stats()
+    except GraderError as exc:  # the grader cannot grade: no scores rather than wrong ones
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        engine_lib.shutdown(llm)
 
     scores = evaluation.summarize(results)
     table = {str(cfg.model.path or "tiny"): scores}
@@ -72,16 +78,19 @@ def main(cfg: DictConfig) -> None:
     (out / "eval.json").write_text(json.dumps({
         "model": model_path, "k": k, f"mean@{k}": scores,
         "problems": {name: len(r) for name, r in results.items()},
+        "dropped": dropped,  # prompts too long for rollout.max_model_len with the response budget
         "correct": results, "grading": grading,
     }, indent=1))
-    (out / "results.md").write_text(evaluation.markdown_table(table, k))
+    (out / "results.md").write_text(evaluation.markdown_table(table, k, dropped))
     (out / "results.csv").write_text(evaluation.csv_table(table))
     (out / "results.tex").write_text(evaluation.latex_table(table, k))
     if cfg.logger.mode != "disabled":
         _log_wandb(cfg, scores, table, k)
     for name, value in scores.items():
-        n = f"({len(results[name])} problems)" if name in results else ""
-        print(f"{evaluation.title(name):>16}  mean@{k} = {100 * value:6.2f}%  {n}")
+        n = f"({len(results[name])} problems" if name in results else ""
+        if dropped.get(name):
+            n += f", {dropped[name]} dropped: prompt too long"
+        print(f"{evaluation.title(name):>16}  mean@{k} = {100 * value:6.2f}%  {n + ')' if n else ''}")
     print(f"tables: {out}/results.md, results.csv, results.tex")
 
 

@@ -22,6 +22,8 @@ from pace.config import ConfigError, register, validate
 from pace.memory import release_free_heap, rss_mib
 from pace.records import Fate
 from pace.rollout.worker import RolloutError
+from pace.tasks import loading
+from pace.tasks.math import DataError
 
 register()
 
@@ -60,29 +62,6 @@ def resolve_model(cfg, progress: bool) -> str:
         return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
     except Exception as exc:  # noqa: BLE001
         raise UserError(f"model.path: {path!r} is not a local directory and cannot be fetched from the hub ({type(exc).__name__})") from exc
-
-
-def load_prompts(cfg, tokenizer):
-    from pace.tasks.math import DataError, load_math_prompts
-
-    if cfg.data.source == "arithmetic":
-        from pace.tasks.arithmetic import make_prompts
-
-        prompts = make_prompts(OmegaConf.to_object(cfg.data.arithmetic), cfg.data.split)
-    elif cfg.data.source == "tool_arithmetic":
-        from pace.tasks import tool_arithmetic
-
-        prompts = tool_arithmetic.make_prompts(OmegaConf.to_object(cfg.data.tool_arithmetic), cfg.data.split)
-    else:
-        try:
-            prompts = load_math_prompts(cfg.data.path, cfg.data.split, cfg.data.template)
-        except DataError as exc:
-            raise UserError(f"data.path: {exc}") from exc
-    if cfg.data.chat_template:
-        from pace.tasks.base import with_chat_template
-
-        prompts = with_chat_template(prompts, tokenizer)
-    return prompts
 
 
 def default_group(cfg) -> str | None:
@@ -188,7 +167,7 @@ def rank0_decides(accelerator, flag: bool) -> bool:
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except (UserError, ConfigError) as exc:
+    except (UserError, ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
@@ -224,11 +203,14 @@ def run(cfg: DictConfig) -> None:
 
     with accelerator.main_process_first():  # rank 0 builds the tiny model once; the others reuse it
         model_path = resolve_model(cfg, progress)
+    val_sets = None
     if main_rank:  # bad data fails here, before the trainer and the engine are built
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        prompts = load_prompts(cfg, tokenizer)
+        prompts = loading.train_prompts(cfg, tokenizer)
+        if cfg.eval.every > 0:  # in-training validation on the rollout engine
+            val_sets = loading.val_sets(cfg, tokenizer)
 
     from pace.algo.trainer import DAPOTrainer
 
@@ -239,9 +221,9 @@ def run(cfg: DictConfig) -> None:
     rollout = pool = logger = llm = grader = best = validations = parts = None
     if main_rank:
         from pace.algo.advantages import is_informative
+        from pace.grading import Grader
         from pace.logger import RunLogger
         from pace.pool import Pool, build_policy
-        from pace.reward import Grader
         from pace.rollout.worker import RolloutWorker
         from pace.tasks.base import PromptSampler
 
@@ -249,16 +231,12 @@ def run(cfg: DictConfig) -> None:
         metric = (lambda t: float(t.correct)) if cfg.algo.filter_on == "acc" else (lambda t: t.reward)
         pool = Pool(build_policy(cfg), informative=lambda g: is_informative([metric(t) for t in g.trajectories]),
                     capacity=cfg.pool.capacity)
-        grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+        grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
+                        max_failed_in_row=cfg.reward.max_failed_in_row)
         llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
-        val_sets = None
-        if cfg.eval.every > 0:  # in-training validation on the rollout engine
-            from pace.evaluation import sets_from_config
+        if val_sets is not None:
             from pace.validation import BestCheckpoint, Validations
 
-            val_sets = sets_from_config(cfg, tokenizer)
-            if cfg.eval.val_max_problems is not None:
-                val_sets = {name: ps[: cfg.eval.val_max_problems] for name, ps in val_sets.items()}
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:

@@ -38,7 +38,7 @@ FORMAT = 1
 # config is the checkpoint's, so a resumed run is the same experiment.
 RESUMABLE = (
     "trainer.steps", "trainer.save_every", "trainer.keep_checkpoints", "logger.mode", "logger.progress",
-    "reward.workers", "reward.timeout_s", "device", "tools.workers", "tools.warm",
+    "reward.workers", "reward.timeout_s", "reward.max_failed_in_row", "device", "tools.workers", "tools.warm",
 )
 
 

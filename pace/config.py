@@ -39,6 +39,9 @@ class DataConfig:
     split: str = "train"
     template: str = "dapo"  # math prompt template: dapo | retool (tool use) | plain (see pace.tasks.math)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+    # Prompts longer than this (tokens) are dropped at load, with one warning naming the source and
+    # the count; prompts that cannot fit rollout.max_model_len with rollout.max_tokens always are.
+    max_prompt_tokens: Optional[int] = None
     batch_prompts: int = 8  # B: groups per training step
     group_size: int = 8  # G: responses per prompt
     seed: int = 0
@@ -95,6 +98,9 @@ class ToolsConfig:
 class RewardConfig:
     timeout_s: float = 5.0  # per grading job (math-verify); a timeout scores as wrong and is counted
     workers: int = 1  # grading processes
+    # Answers in a row that could not be graded (timeouts, errors) after which the run stops with
+    # the cause: every group would be filtered and the trainer would wait forever. 0: never.
+    max_failed_in_row: int = 512
 
 
 @dataclass
@@ -275,6 +281,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("rollout.max_tool_calls and tools.warm must be >= 0")
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:
         raise ConfigError("rollout.max_tokens must be < rollout.max_model_len (prompt + response)")
+    if cfg.eval.max_tokens is not None and not 0 < cfg.eval.max_tokens < cfg.rollout.max_model_len:
+        raise ConfigError("eval.max_tokens must be > 0 and < rollout.max_model_len (prompt + response), or null")
+    if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens < 1:
+        raise ConfigError(f"data.max_prompt_tokens must be >= 1 or null, got {cfg.data.max_prompt_tokens}")
+    if cfg.reward.max_failed_in_row < 0:
+        raise ConfigError(f"reward.max_failed_in_row must be >= 0 (0: never stop), got {cfg.reward.max_failed_in_row}")
 
 
 def _check_schema(cfg: DictConfig) -> None:

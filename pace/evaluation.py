@@ -69,17 +69,30 @@ def title(name: str) -> str:
     return name
 
 
-def sets_from_config(cfg, tokenizer) -> dict[str, list[Prompt]]:
-    """`eval.benchmarks` as prompt lists, with the training template (and chat template)."""
+def sets_from_config(cfg, tokenizer) -> tuple[dict[str, list[Prompt]], dict[str, int]]:
+    """`eval.benchmarks` as prompt lists, with the training template (and chat template), and per
+    set the number of prompts dropped because they cannot fit the engine's context with the
+    response budget (`eval.max_tokens` or `rollout.max_tokens`). A set with nothing left is a
+    `DataError` naming the keys to change."""
     from omegaconf import OmegaConf
 
-    from pace.tasks.base import with_chat_template
+    from pace.tasks.base import drop_overlong, prompt_token_limit, with_chat_template
+    from pace.tasks.math import DataError
 
     sets = load_sets(list(cfg.eval.benchmarks), cfg.eval.data_dir, cfg.data.template,
                      OmegaConf.to_object(cfg.data.arithmetic), OmegaConf.to_object(cfg.data.tool_arithmetic))
     if cfg.data.chat_template:
         sets = {name: with_chat_template(ps, tokenizer) for name, ps in sets.items()}
-    return sets
+    max_tokens = cfg.eval.max_tokens or cfg.rollout.max_tokens
+    limit, keys = prompt_token_limit(cfg.rollout.max_model_len, max_tokens)
+    dropped = {}
+    for name, prompts in sets.items():
+        # text prompts are tokenized by the engine, with the tokenizer's special tokens
+        sets[name], dropped[name] = drop_overlong(prompts, tokenizer, limit, add_special_tokens=True)
+        if not sets[name]:
+            raise DataError(f"{name}: all {len(prompts)} prompts are longer than {limit} tokens ({keys}): raise "
+                            "rollout.max_model_len, or lower eval.max_tokens / rollout.max_tokens")
+    return sets, dropped
 
 
 def tool_runner(cfg, tokenizer, on_done=None):
@@ -321,10 +334,15 @@ def _rows(table: dict[str, dict[str, float]]) -> tuple[list[str], list[list[str]
     return header, rows
 
 
-def markdown_table(table: dict[str, dict[str, float]], k: int) -> str:
+def markdown_table(table: dict[str, dict[str, float]], k: int, dropped: dict[str, int] | None = None) -> str:
+    """The table; ``dropped`` (prompts per benchmark too long for the context) is noted under it."""
     header, rows = _rows(table)
     lines = [f"mean@{k} (%)", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    cut = {name: n for name, n in (dropped or {}).items() if n}
+    if cut:
+        lines += ["", "Prompts dropped (too long for the engine's context): "
+                  + ", ".join(f"{title(name)} {n}" for name, n in cut.items())]
     return "\n".join(lines) + "\n"
 
 

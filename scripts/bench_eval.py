@@ -40,7 +40,7 @@ def main() -> None:
     from vllm.sampling_params import RequestOutputKind
 
     from pace import evaluation
-    from pace.reward import Grader
+    from pace.grading import Grader
     from pace.tiny import TinySpec, build_tiny
 
     model = str(build_tiny(TinySpec(), ROOT / "data" / "cache", progress=True))

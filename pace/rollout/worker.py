@@ -495,6 +495,8 @@ class RolloutWorker(threading.Thread):
         self._grading.append((group, self.grader.submit(texts, [group.answer] * len(texts))))
 
     def _collect_grades(self) -> bool:
+        if self.grader is not None:
+            self.grader.check()  # a failed grader stops the run now, not at the next finished group
         done = False
         # Grades come back in submission order (completion order): the pool stays FIFO by completion.
         while self._grading and self._grading[0][1].done():

@@ -83,3 +83,23 @@ class PromptSampler:
         self._epoch = -1
         self._returned = deque()
         self.give_back(state.get("returned", []))
+
+
+def prompt_token_limit(max_model_len: int, max_tokens: int, max_prompt_tokens: int | None = None) -> tuple[int, str]:
+    """The longest prompt (tokens) that fits the engine's context with the response budget, and
+    the keys that set it (for messages)."""
+    limit, keys = max_model_len - max_tokens, f"rollout.max_model_len {max_model_len} − max_tokens {max_tokens}"
+    if max_prompt_tokens is not None and max_prompt_tokens < limit:
+        limit, keys = max_prompt_tokens, f"data.max_prompt_tokens {max_prompt_tokens}"
+    return limit, keys
+
+
+def drop_overlong(prompts: list[Prompt], tokenizer, limit: int, add_special_tokens: bool = False) -> tuple[list[Prompt], int]:
+    """The prompts of at most ``limit`` tokens, and how many were dropped (as verl's
+    ``filter_overlong_prompts``): a longer one would fail in the engine mid-run."""
+    if not prompts:
+        return prompts, 0
+    # verbose=False: the tokenizer's own warning about sequences over its model_max_length is this check's job
+    ids = tokenizer([p.text for p in prompts], add_special_tokens=add_special_tokens, verbose=False).input_ids
+    kept = [p for p, tokens in zip(prompts, ids) if len(tokens) <= limit]
+    return kept, len(prompts) - len(kept)

@@ -1,8 +1,10 @@
 """`train.py` with one fault injected, for the fault-injection tests: PACE_FAULT=<kind>@<version>.
 
     rollout  the rollout thread raises while handling engine output, once θ_version exists
-    grading  collecting a finished grading job raises (the reward machinery, not one answer)
     answers  the grading of every other answer fails (math-verify raising): scored wrong, counted
+    grader_dies  once θ_version exists the grading workers are killed and none can start again
+                 (spawn raises ENOMEM, as fork does out of memory): the grader fails after its retries
+    watchdog     once θ_version exists the grader's watchdog thread raises
     trainer  the training step that would make θ_{version+1} raises before its update
     nan      that step's loss is NaN: its update is skipped and counted
 
@@ -26,6 +28,7 @@ def half_failing_grade(responses: list[str], golds: list[str]) -> list:
 
 
 def inject(kind: str, at: int) -> None:
+    import pace.grading as grading
     import pace.reward as reward
     from pace.algo.trainer import DAPOTrainer
     from pace.rollout.worker import RolloutWorker
@@ -39,24 +42,46 @@ def inject(kind: str, at: int) -> None:
             return consume(self, outputs)
 
         RolloutWorker._consume = _consume
-    elif kind == "grading":
-        version = {"v": 0}
-        set_version, result = RolloutWorker.set_trainer_version, reward.GradeJob.result
-
-        def set_trainer_version(self, v):
-            version["v"] = v
-            set_version(self, v)
-
-        def job_result(self, timeout=None):
-            if version["v"] >= at:
-                raise RuntimeError(f"injected grading fault at θ_{at}")
-            return result(self, timeout)
-
-        RolloutWorker.set_trainer_version, reward.GradeJob.result = set_trainer_version, job_result
     elif kind == "answers":
         from tests.integration import faulty_train  # by module path: picklable into the grading processes
 
         reward.grade_batch = faulty_train.half_failing_grade
+    elif kind in ("grader_dies", "watchdog"):
+        import errno
+        import signal
+        import time
+
+        set_version, fired = RolloutWorker.set_trainer_version, []
+
+        def set_trainer_version(self, v):
+            set_version(self, v)
+            if v >= at and not fired:
+                print(f"injected {kind} fault at θ_{at}, t={time.time():.3f}", file=sys.stderr, flush=True)
+                fired.append(v)
+                if kind == "grader_dies":
+                    for slot in self.grader._slots:
+                        for pid in (slot.executor._processes or {}) if slot.executor is not None else ():
+                            os.kill(pid, signal.SIGKILL)
+
+        RolloutWorker.set_trainer_version = set_trainer_version
+        if kind == "grader_dies":
+            new_executor = grading._new_executor
+
+            def failing_new_executor():
+                if fired:
+                    raise OSError(errno.ENOMEM, f"Cannot allocate memory (injected at θ_{at})")
+                return new_executor()
+
+            grading._new_executor = failing_new_executor
+        else:
+            service = grading.Grader._service
+
+            def failing_service(self, slot, now):
+                if fired:
+                    raise RuntimeError(f"injected watchdog fault at θ_{at}")
+                return service(self, slot, now)
+
+            grading.Grader._service = failing_service
     elif kind in ("trainer", "nan"):
         step = DAPOTrainer.step
 

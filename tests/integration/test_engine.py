@@ -76,7 +76,7 @@ def test_rollout_records_versions_across_an_update(llm, weights, tiny_model_path
 
     from pace.config import Config
     from pace.pool import Pool, build_policy
-    from pace.reward import Grader
+    from pace.grading import Grader
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
     from pace.tasks.base import PromptSampler
@@ -122,7 +122,7 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
 
     from pace.config import Config
     from pace.pool import Pool, build_policy
-    from pace.reward import Grader
+    from pace.grading import Grader
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
     from pace.tasks.base import PromptSampler

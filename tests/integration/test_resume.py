@@ -144,8 +144,13 @@ def _faulty(kind: str, at: int, args: list[str], run_dir, timeout: float = 600):
 
 @pytest.mark.parametrize("kind, message", [
     ("rollout", "injected rollout fault at θ_2"),
-    ("grading", "injected grading fault at θ_2"),
     ("trainer", "injected trainer fault at θ_2"),
+    # issue #14: the grader's own failures stop the run with their cause, never filter forever; the
+    # watchdog case also covers collecting grades raising in the rollout thread (GradeJob.result)
+    ("grader_dies", "GraderError: grader failed: no grading worker could start (4 attempts each, 1 worker(s)): "
+                    "starting the worker raised OSError(12, 'Cannot allocate memory (injected at θ_2)')"),
+    ("watchdog", "GraderError: grader failed: the grading watchdog thread raised "
+                 "RuntimeError('injected watchdog fault at θ_2')"),
 ])
 def test_a_fault_stops_the_run_with_its_traceback_and_a_loadable_checkpoint(kind, message, tiny_model_path, tmp_path):
     args = ["+exp=async_tiny", "trainer.steps=5", "logger.mode=disabled", *SMALL]
@@ -153,13 +158,19 @@ def test_a_fault_stops_the_run_with_its_traceback_and_a_loadable_checkpoint(kind
     proc = _faulty(kind, 2, args, tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback (most recent call last)" in proc.stderr
+    if kind in ("grader_dies", "watchdog"):  # the cause's own traceback comes with it, and it is quick
+        assert ("in failing_new_executor" if kind == "grader_dies" else "in failing_service") in proc.stderr
+        fired = float(proc.stderr.split(f"injected {kind} fault at θ_2, t=")[1].split()[0])
+        print(f"{kind}: exited {time.time() - fired:.1f} s after the fault")
+        assert time.time() - fired < 60
     summary = _summary(tmp_path)
     assert summary["status"] == "failed"
     v = summary["steps"]
     assert v == 2 if kind == "trainer" else v >= 2
     checkpoint = tmp_path / "checkpoints" / f"step-{v:06d}"
     assert summary["checkpoint"] == str(checkpoint) and (checkpoint / "model.safetensors").exists()
-    why = "failure: RuntimeError" if kind == "trainer" else "rollout failure: RuntimeError"
+    why = {"trainer": "failure: RuntimeError", "grader_dies": "rollout failure: GraderError",
+           "watchdog": "rollout failure: GraderError"}.get(kind, "rollout failure: RuntimeError")
     assert f"checkpoint ({why}): {checkpoint}" in proc.stderr
     groups = _check_accounting(tmp_path, checkpointed=True)
     if kind == "trainer":  # the failed step's batch was not trained on: dropped, prompts returned

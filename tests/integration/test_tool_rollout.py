@@ -24,7 +24,7 @@ def _worker(llm, levels, groups=4, max_tool_calls=2):
 
     from pace.config import Config
     from pace.pool import Pool, build_policy
-    from pace.reward import Grader
+    from pace.grading import Grader
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.base import PromptSampler
     from pace.tasks.tool_arithmetic import ToolArithmeticSpec, make_prompts
@@ -165,7 +165,7 @@ def test_evaluation_runs_tool_calls_per_sample(llm):
 
     from pace.config import Config
     from pace.evaluation import EvalRun, load_sets, sampling_params, tool_runner
-    from pace.reward import Grader
+    from pace.grading import Grader
 
     cfg = OmegaConf.structured(Config)
     cfg.rollout.max_tool_calls, cfg.rollout.max_tokens, cfg.rollout.max_model_len = 2, 160, 224

@@ -14,10 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_reward import ADVERSARIAL, HANG, _test_fn
+from test_grading import HANG, _test_fn
+from test_reward import ADVERSARIAL
 
 from pace.evaluation import EvalRun, summarize
-from pace.reward import Grader
+from pace.grading import Grader
 from pace.rollout.worker import Validation
 from pace.tasks.base import Prompt
 from pace.validation import BestCheckpoint, save_weights, val_metrics
