@@ -245,9 +245,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.group_size={cfg.data.group_size}: group-normalised advantages need G >= 2")
     if not 0 <= cfg.rollout.overlong_buffer < cfg.rollout.max_tokens:
         raise ConfigError("rollout.overlong_buffer must be >= 0 and < rollout.max_tokens")
-    for key in ("rollout.top_p", "eval.top_p"):
-        if not 0 < OmegaConf.select(cfg, key) <= 1:
-            raise ConfigError(f"{key} must be in (0, 1], got {OmegaConf.select(cfg, key)}")
+    if not 0 < cfg.eval.top_p <= 1:
+        raise ConfigError(f"eval.top_p must be in (0, 1], got {cfg.eval.top_p}")
+    if cfg.rollout.top_p != 1:
+        # The engine records ℓ^μ of the nucleus-renormalised distribution it samples from, while the
+        # trainer's π_θ is the full softmax: the ratio π_θ/μ would be biased on every token (≈0.1
+        # nats at top_p 0.9 on-policy, issue #15). DAPO trains with top_p = 1; eval.top_p may differ.
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: training rollouts need top_p = 1 (the trainer's "
+                          "log-probs are of the full distribution); set eval.top_p for evaluation")
     if cfg.eval.every < 0:
         raise ConfigError(f"eval.every must be >= 0 (0: no in-training validation), got {cfg.eval.every}")
     if cfg.eval.every > 0 and not cfg.eval.benchmarks:

@@ -6,18 +6,17 @@ model answers (DAPO's `Answer:` line), grades correct against itself; a wrong an
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from pace.reward import is_correct
 from pace.tasks.benchmarks import BENCHMARKS, SETS, expand, load_benchmark
 from pace.tasks.math import DAPO_PREFIX, DataError
+from tests.conftest import BENCH, needs_shared
 
 pytestmark = pytest.mark.unit
 
-BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "benchmarks"
-needs_bench = pytest.mark.skipif(not BENCH.exists(), reason=f"shared benchmark copies not found under {BENCH}")
+needs_bench = needs_shared(*(BENCH / f"{name}.jsonl" for name in BENCHMARKS))  # in CI: fails, never skips
 ROWS = {"aime_2023": 30, "aime_2024": 30, "aime_2025": 30, "beyond_aime": 100, "brumo_2025": 30, "hmmt_feb_2025": 30}
 
 

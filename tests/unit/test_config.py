@@ -121,6 +121,7 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["rollout.max_tokens=256", "rollout.max_model_len=256"], "rollout.max_model_len"),
         (["data.batch_prompts=0"], "data.batch_prompts"),
         (["rollout.top_p=0"], "rollout.top_p"),
+        (["rollout.top_p=0.9"], "training rollouts need top_p = 1"),  # π_θ/μ would be biased (issue #15)
         (["eval.every=-1"], "eval.every"),
         (["eval.every=5", "eval.benchmarks=[]"], "eval.benchmarks"),
         (["eval.best_within=-1"], "eval.best_within"),
@@ -135,6 +136,9 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["tools.sandbox=docker"], "tools.sandbox"),
         (["tools.workers=0"], "tools.workers"),
         (["data.template=chatml"], "data.template"),
+        (["data.max_prompt_tokens=0"], "data.max_prompt_tokens"),
+        (["reward.max_failed_in_row=-1"], "reward.max_failed_in_row"),
+        (["eval.max_tokens=256"], "eval.max_tokens"),
     ],
 )
 def test_validate_rejects_and_names_the_key(overrides: list[str], key: str) -> None:

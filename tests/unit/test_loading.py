@@ -16,7 +16,7 @@ from pace.tasks.base import Prompt, drop_overlong, prompt_token_limit
 from pace.tasks.loading import train_prompts
 from pace.tasks.math import DataError
 from pace.tiny import build_tokenizer
-from tests.conftest import ROOT, SHARED
+from tests.conftest import BENCH, ROOT, needs_shared
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +88,11 @@ def test_eval_sets_drop_per_benchmark_and_the_table_reports_it(tokenizer, tmp_pa
 
 
 @pytest.mark.integration
+@needs_shared(BENCH / "aime_2023.jsonl")
 def test_eval_on_benchmarks_too_long_for_the_tiny_context_fails_in_one_line(tiny_model_path, tmp_path):
     """Failure 3 of issue #14, reproduced: `eval.py eval=math6` with the tiny model (context 256)
     ended in vLLM's 'prompt contains at least 257 input tokens' and a page of traceback."""
-    assert (SHARED / "benchmarks" / "aime_2024.jsonl").exists(), "CI has ../shared/benchmarks"
-    cmd = [sys.executable, str(ROOT / "eval.py"), "eval=math6", f"eval.data_dir={SHARED / 'benchmarks'}",
+    cmd = [sys.executable, str(ROOT / "eval.py"), "eval=math6", f"eval.data_dir={BENCH}",
            "logger.progress=false", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Tests for pace.tasks.math on the real DAPO-Math-17K copies in ../shared/benchmarks/ and on tmp files.
 
 The shared benchmarks directory sits beside the clone (CI has it there too); tests that read it are
-skipped with a reason when it is absent.
+skipped with a reason when it is absent on a developer's machine, and fail when it is absent in CI.
 """
 from __future__ import annotations
 
@@ -10,16 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from pace.tasks.math import DAPO_PREFIX, DAPO_SUFFIX, DataError, load_math_prompts, row_problem_answer, strip_dapo_template
+from pace.tasks.math import (
+    DAPO_PREFIX,
+    DAPO_SUFFIX,
+    DataError,
+    load_math_prompts,
+    row_problem_answer,
+    strip_dapo_template,
+)
+from tests.conftest import BENCH, needs_shared
 
 pytestmark = pytest.mark.unit
 
-BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "benchmarks"
 FULL = BENCH / "dapo_math_17k.jsonl"
 HEAD = BENCH / "dapo_math_17k_processed_head.jsonl"
-needs_bench = pytest.mark.skipif(
-    not (FULL.exists() and HEAD.exists()), reason=f"shared benchmark copies not found under {BENCH}"
-)
+needs_bench = needs_shared(FULL, HEAD)  # in CI (CI set) a missing copy fails the tests instead of skipping them
 
 
 def wrap(problem: str) -> str:
