@@ -182,3 +182,18 @@ def load(spec: str, source: str = "local") -> list[Run]:
 def load_run(run_dir: str | Path) -> Run:
     """One local run directory (summarize_run.py)."""
     return load_local(run_dir)
+
+
+def recomputed_staleness(row) -> tuple[float, float, float]:
+    """(K, K_gen, K_wait) of a logged group recomputed from its per-response records alone (the
+    version spans of its model tokens, each response's c(τ), the step its fate was decided): an
+    independent check of the logged `k`, `k_gen`, `k_wait` (DESIGN §2, token-weighted)."""
+    tokens = version_sum = completed = 0
+    for spans, c in zip(row["version_spans"], row["completed_at"]):
+        vs, ns = spans[0::2], spans[1::2]
+        n = sum(ns)
+        tokens += n
+        version_sum += sum(v * k for v, k in zip(vs, ns))
+        completed += c * n
+    j = row["step"]
+    return (j * tokens - version_sum) / tokens, (completed - version_sum) / tokens, j - completed / tokens

@@ -2,8 +2,10 @@
 
     python analysis/summarize_run.py runs/async_tiny/2026-11-29_16-30-00 [more run dirs ...]
 
-Checks, per run: Lemma 1 (K = K_gen + K_wait, to 1e-9) on every group with a decided step, and
-the fate accounting (groups submitted = Σ fates = rows logged). Exit status 1 if one fails.
+Checks, per run: Lemma 1 (K = K_gen + K_wait, to 1e-9) on every group with a decided step, the
+logged K, K_gen, K_wait against their recomputation from each response's per-token version spans
+and c(τ) (runs that log them), and the fate accounting (groups submitted = Σ fates = rows logged).
+Exit status 1 if one fails.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.runs import load_run  # noqa: E402
+from analysis.runs import load_run, recomputed_staleness  # noqa: E402
 
 PHASES = ["time/step", "time/generate", "time/wait_data", "time/train", "time/sync"]
 
@@ -50,6 +52,14 @@ def summarize(run_dir: str, window: int = 20) -> bool:
         lemma = err <= 1e-9
         print(f"Lemma 1 on {len(decided)} groups: max |K - K_gen - K_wait| = {err:.2e}  {'ok' if lemma else 'FAILED'}")
         ok &= bool(lemma)
+        if "version_spans" in decided and len(decided):  # the logged values against the per-token records
+            logged = decided[["k", "k_gen", "k_wait"]].to_numpy()
+            redo = [recomputed_staleness(row) for _, row in decided.iterrows()]
+            err = float(abs(logged - redo).max())
+            agree = err <= 1e-9
+            print(f"K, K_gen, K_wait recomputed from per-token version spans: max error {err:.2e}  "
+                  f"{'ok' if agree else 'FAILED'}")
+            ok &= agree
     fates = run.summary.get("fates")
     if fates:
         total = sum(v for k, v in fates.items() if k != "submitted")

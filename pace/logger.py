@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from pace.records import Fate, Group
-from pace.staleness import versions_spanned
+from pace.staleness import version_spans, versions_spanned
 
 
 def group_schema():
@@ -35,6 +35,7 @@ def group_schema():
         ("reward_std", f), ("acc_mean", f), ("len_mean", f), ("len_max", i),
         ("lengths", pa.list_(i)), ("num_tokens", i), ("versions_spanned", i),
         ("num_actions", i), ("tool_calls", pa.list_(i)), ("tool_errors", i),
+        ("completed_at", pa.list_(i)), ("version_spans", pa.list_(pa.list_(i))),
     ])
 
 
@@ -64,6 +65,10 @@ def group_row(group: Group) -> dict:
         "num_actions": sum(t.num_actions for t in trajs),
         "tool_calls": [t.tool_calls for t in trajs],
         "tool_errors": sum(t.tool_errors for t in trajs),
+        # per response: c(τ), and the versions of its model tokens as [v, n, v, n, …] spans, from
+        # which K, K_gen and K_wait can be recomputed independently of the logged values
+        "completed_at": [t.completed_at for t in trajs],
+        "version_spans": [version_spans(t.action_versions) for t in trajs],
     }
     complete = len(trajs) == len(group.trajectories) and trajs and all(t.completed_at >= 0 for t in trajs)
     if complete:

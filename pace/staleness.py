@@ -71,3 +71,17 @@ def versions_spanned(versions: Sequence[int]) -> int:
     """How many weight versions produced tokens of one response (1 = no update mid-generation)."""
     _check(versions)
     return max(versions) - min(versions) + 1
+
+
+def version_spans(versions: Sequence[int]) -> list[int]:
+    """Run-length encoding of a response's token versions, flattened: [v_0, n_0, v_1, n_1, …] with
+    n_i consecutive tokens produced by version v_i (versions never go back within a response, so
+    a span per weight version it saw). Logged per response, so staleness can be recomputed from
+    the run's records alone."""
+    out: list[int] = []
+    for v in versions:
+        if out and out[-2] == v:
+            out[-1] += 1
+        else:
+            out += [v, 1]
+    return out

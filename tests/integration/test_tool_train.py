@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_train
-from tests.integration.test_train_e2e import _check_accounting, _read
+from analysis.runs import recomputed_staleness
+from tests.conftest import check_staleness, run_train
+from tests.integration.test_train_e2e import _check_accounting, _read, check_pace_decisions
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +32,7 @@ def test_every_policy_runs_with_tools(tiny_tool_model_path, tmp_path, preset, ex
     metrics, groups, summary = _read(tmp_path)
     assert [m["step"] for m in metrics] == list(range({**SMALL, **extra}["trainer.steps"]))
     _check_accounting(groups, summary)
-    decided = groups.dropna(subset=["k"])
-    assert len(decided) > 0 and ((decided.k - decided.k_gen - decided.k_wait).abs() < 1e-9).all()
+    check_staleness(groups)  # logged K, K_gen, K_wait = recomputed from per-token version spans
     complete = groups.dropna(subset=["c"])
     calls = complete.tool_calls.map(sum)
     assert (calls > 0).any(), "no response called the tool"
@@ -44,3 +44,21 @@ def test_every_policy_runs_with_tools(tiny_tool_model_path, tmp_path, preset, ex
         assert "time/tools" in m and "tools/errors/timeout" in m
     if "pace" in preset:
         assert (groups.fate == "rejected").any()
+        check_pace_decisions(groups, gamma=1.0)
+    if extra.get("pool") == "stale_k":  # consumed within the lag, dropped beyond it (K recomputed)
+        lag = {fate: [recomputed_staleness(r)[0] for _, r in groups[groups.fate == fate].iterrows()]
+               for fate in ("consumed", "dropped_stale")}
+        assert max(lag["consumed"]) <= extra["pool.max_lag"] < min(lag["dropped_stale"], default=float("inf"))
+    if extra.get("pool") == "gate":
+        check_gate(groups, SMALL["data.batch_prompts"], extra["pool.max_head_offpolicyness"])
+
+
+def check_gate(groups, batch: int, eta: int) -> None:
+    """AReaL's bound from the records alone: when a group started at trainer version v, at most
+    (v + η + 1)·B started groups were not yet discarded (filtered or dropped). The count is a lower
+    bound: every group discarded at a version <= v is taken as discarded before the start."""
+    g = groups.sort_values("id")
+    gone = g[g.fate.isin(["filtered", "dropped_shutdown"])]
+    for row in g.itertuples():
+        freed = ((gone.id < row.id) & (gone.step <= row.submitted_at)).sum()
+        assert row.id + 1 - freed <= (row.submitted_at + eta + 1) * batch, row.id  # ids count started groups

@@ -207,6 +207,20 @@ def test_stale_k_drops_over_the_lag_and_waits_for_fresh_groups():
     assert [g.id for g in sel.batch] == [1, 2] and sel.removed == []
 
 
+def test_stale_k_drops_on_the_policy_lag_not_the_waiting_staleness():
+    """Guards against: Stale-k dropping on K_wait (or K_gen) instead of K = K_gen + K_wait."""
+    p = StaleKPolicy(1, 100, max_lag=2)
+    # completed at c = 3 from tokens of version 0: K_gen = 3, K_wait = 4 - 3 = 1, K = 4 > 2
+    sel = p.select(PoolColumns.of([group(0, [0, 0], 3)]), step=4)
+    assert [(g.id, f) for g, f, _ in sel.removed] == [(0, Fate.DROPPED_STALE)]
+    # K_gen = 0, K_wait = 2, K = 2: kept (the bound is K <= max_lag)
+    sel = p.select(PoolColumns.of([group(1, [2, 2], 2)]), step=4)
+    assert [g.id for g in sel.batch] == [1] and sel.removed == []
+    # a response spanning versions, v = (1, 1, 3) at c = 3, j = 4: K_wait = 1, K = 4 − 5/3 = 2.33 > 2
+    sel = p.select(PoolColumns.of([group(2, [1, 1, 3], 3), group(3, [3, 3, 4], 4)]), step=4)
+    assert [g.id for g, _, _ in sel.removed] == [2] and [g.id for g in sel.batch] == [3]
+
+
 def test_gate_admission_arithmetic():
     gate = GatePolicy(batch_prompts=4, max_inflight_groups=100, max_head_offpolicyness=2)
     view = lambda v, started: AdmissionView(v, v, v, started, 0, 0, 4)  # noqa: E731
@@ -215,6 +229,35 @@ def test_gate_admission_arithmetic():
     # filtered (and shutdown-dropped) groups give their place back: mostly-filtered runs cannot deadlock
     assert gate.admits(AdmissionView(0, 0, 0, 12, 0, 0, 4, discarded=1))
     assert not gate.admits(AdmissionView(0, 0, 0, 13, 0, 0, 4, discarded=1))
+
+
+def test_gate_bounds_by_the_trainer_version_not_batches_formed_or_the_engine():
+    """Guards against: GatePolicy.admits counting formed batches (one batch further ahead than η
+    allows: batch j is formed while θ_j is still training) or the engine version."""
+    gate = GatePolicy(batch_prompts=4, max_inflight_groups=100, max_head_offpolicyness=1)
+    # training batch 1 (trainer at θ_1), batch 2 formed already, engine still at θ_0: (1 + 1 + 1)·4 = 12
+    view = lambda started, engine=0: AdmissionView(engine, 1, 2, started, 0, 0, 4)  # noqa: E731
+    assert gate.admits(view(11)) and not gate.admits(view(12))  # batches formed would allow 16
+    assert not gate.admits(view(12, engine=3))  # nor does an engine ahead of the trainer
+
+
+def test_the_pool_gives_the_gate_back_places_of_filtered_and_dropped_groups():
+    """Guards against: `Pool._view` reporting nothing discarded (a mostly-filtered gate run deadlocks)."""
+    pool = Pool(GatePolicy(batch_prompts=2, max_inflight_groups=100, max_head_offpolicyness=0),
+                informative=lambda g: g.id != 1)
+    groups = [group(i, [0], 0) for i in range(4)]
+    for g in groups[:2]:
+        assert pool.admits(0, 0)
+        pool.on_submitted(g)
+    assert not pool.admits(0, 0)  # (0 + 0 + 1)·2 places, both started
+    pool.add(groups[1], 0)  # filtered: its place comes back
+    assert pool.admits(0, 0)
+    pool.on_submitted(groups[2])
+    assert not pool.admits(0, 0)
+    pool.drop_inflight(0)  # a stop drops groups 0 and 2: their places come back too
+    assert pool.admits(0, 0)
+    pool.on_submitted(groups[3])
+    assert pool.admits(0, 0) and pool.counts()["dropped_shutdown"] == 2
 
 
 @settings(max_examples=100)

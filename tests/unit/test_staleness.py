@@ -233,3 +233,11 @@ def test_cached_group_k_gen_and_k_wait_match_the_exact_decomposition(specs, extr
     k, k_gen, k_wait = g.staleness(step)
     assert abs(g.k_gen() - k_gen) < 1e-9 and abs(g.k_wait(step) - k_wait) < 1e-9
     assert abs(g.k_gen() + g.k_wait(step) - k) < 1e-9
+
+
+def test_version_spans_run_length_encode_the_token_versions():
+    from pace.staleness import version_spans
+
+    assert version_spans([3, 3, 3]) == [3, 3]
+    assert version_spans([0, 0, 1, 2, 2, 2]) == [0, 2, 1, 1, 2, 3]
+    assert version_spans([]) == []
