@@ -122,7 +122,7 @@ class RolloutWorker(threading.Thread):
         self._grading: deque[tuple[Group, object]] = deque()
         self._next_group_id = 0
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
-                      "rescore_seqs": 0, "rescore_skipped": 0, "capacity_wait_s": 0.0}
+                      "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0}
         # PACE: rescore pooled prefixes after each update (only the pace policy reads PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if cfg.pool.name == "pace" else 0
         self._rescoring: dict[int, _Rescore] = {}
@@ -209,6 +209,8 @@ class RolloutWorker(threading.Thread):
             # (generated entirely by the loaded weights: distance 0)
             "rollout/rescore_seqs": s["rescore_seqs"] - last["rescore_seqs"],
             "rollout/rescore_skipped": s["rescore_skipped"] - last["rescore_skipped"],
+            # scoring requests dropped because new weights loaded before they ran (asked again under them)
+            "rollout/rescore_cancelled": s["rescore_cancelled"] - last["rescore_cancelled"],
             # wall time in the interval when no group could start because the pool was full
             "rollout/capacity_wait_s": s["capacity_wait_s"] - last["capacity_wait_s"],
         } | (self._tool_metrics(s, last) if self.tools is not None else {})
@@ -285,6 +287,7 @@ class RolloutWorker(threading.Thread):
         if update is None:
             return False
         version, weights = update
+        self._cancel_rescoring()
         t0 = time.perf_counter()
         engine_lib.load_weights(self.llm, weights)
         self.stats["sync_s"] += time.perf_counter() - t0
@@ -334,6 +337,20 @@ class RolloutWorker(threading.Thread):
             except queue.Empty:
                 return out
 
+    def _cancel_rescoring(self) -> None:
+        """Before new weights load: a score still pending would be computed (at least in part) by
+        them but recorded as the old version's, so it is dropped; `_start_rescoring` asks again
+        under the new weights (a prefix is one short prefill)."""
+        if not self._rescoring:
+            return
+        ids = [f"s{gid}-{i}" for gid, job in self._rescoring.items()
+               for i in range(len(job.group.trajectories)) if i not in job.distances]
+        self.engine.abort_request(ids)
+        self.stats["rescore_cancelled"] += len(ids)
+        self._rescoring.clear()
+        self.stats["rescore_s"] += time.perf_counter() - self._rescore_started
+        self._rescore_started = None
+
     def _start_rescoring(self) -> None:
         """Score the pooled groups whose PFS could change the next rejections (`Pool.to_rescore`) and
         that have none under the loaded weights: after each update and as groups arrive."""
@@ -372,7 +389,9 @@ class RolloutWorker(threading.Thread):
 
     def _consume_score(self, out) -> None:
         gid, idx = (int(x) for x in out.request_id[1:].split("-"))
-        job = self._rescoring[gid]
+        job = self._rescoring.get(gid)
+        if job is None:  # cancelled by a weight update (its last output may still arrive)
+            return
         traj = job.group.trajectories[idx]
         m = min(self.prefix_tokens, len(traj))
         ids = job.group.prompt_ids + traj.response_ids[:m]

@@ -75,8 +75,8 @@ def test_rollout_records_versions_across_an_update(llm, weights, tiny_model_path
     from omegaconf import OmegaConf
 
     from pace.config import Config
-    from pace.pool import Pool, build_policy
     from pace.grading import Grader
+    from pace.pool import Pool, build_policy
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
     from pace.tasks.base import PromptSampler
@@ -121,8 +121,8 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
     from omegaconf import OmegaConf
 
     from pace.config import Config
-    from pace.pool import Pool, build_policy
     from pace.grading import Grader
+    from pace.pool import Pool, build_policy
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
     from pace.tasks.base import PromptSampler
@@ -170,3 +170,176 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
     from pace.rollout.engine import load_weights
 
     load_weights(llm, weights)  # leave the shared engine as it was
+
+
+# ---------------------------------------------------------------- weights that really reach the engine (#15)
+
+def _moved(tiny_model_path, seed: int, scale: float = 0.05):
+    """The tiny model with every parameter moved by N(0, scale²): (HF model, its state dict as the
+    trainer's sync sends it). Parameters, not state-dict entries, are perturbed, so the tied
+    embedding and lm_head stay one tensor."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return model, [(n, t.detach().clone()) for n, t in model.state_dict().items()]
+
+
+def _hf_logprobs(model, ids: list[int], start: int) -> list[float]:
+    from pace.algo.trainer import token_logprobs
+
+    full = torch.tensor([ids])
+    with torch.no_grad():
+        lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], 1.0)
+    return lp[0, start - 1:].tolist()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tiny_model_path, temperature):
+    """Guards against: weights that do not all reach the engine (a load that drops every
+    `layers.1.*` tensor passed the suite: log-probs changed, versions advanced). After a sync of
+    weights far from the engine's, the engine's ℓ^μ of the tokens it samples equals the trainer's
+    log π_θ (its `token_logprobs` at the rollout temperature) to < 1e-4 per token."""
+    from vllm import SamplingParams
+
+    from pace.algo.trainer import token_logprobs
+    from pace.rollout.engine import load_weights
+
+    model, moved = _moved(tiny_model_path, seed=2)
+    load_weights(llm, moved)
+    prompt = _prompt(llm)
+    for i in range(4):
+        params = SamplingParams(max_tokens=32, temperature=temperature, logprobs=0, detokenize=False, seed=7 + i)
+        llm.llm_engine.add_request(f"sync-check-{i}", {"prompt_token_ids": prompt}, params)
+    outs = []
+    while llm.llm_engine.has_unfinished_requests():
+        outs += [o.outputs[0] for o in llm.llm_engine.step() if o.finished]
+    assert len(outs) == 4
+    worst = 0.0
+    for c in outs:
+        ids = list(c.token_ids)
+        engine = [lp[t].logprob for t, lp in zip(ids, c.logprobs)]
+        full = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            trainer, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], temperature)
+        trainer = trainer[0, len(prompt) - 1:].tolist()
+        worst = max(worst, max(abs(a - b) for a, b in zip(engine, trainer)))
+    print(f"T={temperature}: max |ℓ^μ − log π_θ| = {worst:.2e} over {sum(len(c.token_ids) for c in outs)} tokens")
+    assert worst < 1e-4
+    load_weights(llm, weights)  # leave the shared engine as it was
+
+
+def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse_no_old_prefix(
+        llm, weights, tiny_model_path):
+    """Guards against: an update that does not reach requests in flight, and a new request reusing
+    a prompt prefix cached under older weights (the rollout salts each request's prefix-cache key
+    with the weight version). The worker is stepped by hand; θ_1 differs from θ_0.
+
+    Reference for a response spanning the update, its first θ_1 token at index m: KV of the prompt
+    and y_<m−1 from θ_0 (computed before the update), then θ_1 from y_{m−1} on (the in-flight
+    request keeps its cache). A group started after the update: θ_1 alone, although its prompt's
+    first KV block (128 tokens) was cached under θ_0 by the first group."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from pace.config import Config
+    from pace.grading import Grader
+    from pace.pool import Pool, build_policy
+    from pace.rollout.engine import load_weights
+    from pace.rollout.worker import RolloutWorker
+    from pace.tasks.base import Prompt, PromptSampler
+
+    cfg = OmegaConf.structured(Config)
+    cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = 1, 2, 1
+    cfg.rollout.max_tokens = 40
+    text = "+".join(str(i % 10) for i in range(76)) + "=?\n"  # 153 tokens: one full KV block of 128 and more
+    pool = Pool(build_policy(cfg), informative=lambda g: True)
+    old = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    new, moved = _moved(tiny_model_path, seed=3)
+    with Grader(workers=1) as grader:
+        worker = RolloutWorker(llm, llm.get_tokenizer(), PromptSampler([Prompt("long", text, "0")]), pool, grader, cfg)
+        assert worker._admit() and len(worker.tokenizer(text, add_special_tokens=False).input_ids) > 128
+        for _ in range(4):
+            worker._consume(llm.llm_engine.step())
+        worker.set_trainer_version(1)
+        worker.post_weights(1, moved)
+        assert worker._apply_update()
+        pool.policy.max_inflight_groups = 2
+        assert worker._admit()  # group 1: the same prompt, submitted under θ_1
+        while llm.llm_engine.has_unfinished_requests():
+            worker._consume(llm.llm_engine.step())
+        groups = {g.id: g for g, _ in worker._grading}
+    load_weights(llm, weights)
+    assert set(groups) == {0, 1}
+    prompt = groups[0].prompt_ids
+    for traj in groups[0].trajectories:  # spanning: θ_0 tokens, then θ_1 tokens with θ_0's earlier KV
+        m = traj.versions.index(1) if 1 in traj.versions else len(traj)
+        assert traj.versions[:m] == [0] * m and m >= 1 and len(traj) > m, traj.versions
+        y = traj.response_ids
+        before = _hf_logprobs(old, prompt + y[:m], len(prompt))
+        with torch.no_grad():
+            past = old(torch.tensor([prompt + y[:m - 1]]), use_cache=True).past_key_values
+            logits = new(torch.tensor([y[m - 1:len(y) - 1]]), past_key_values=past, use_cache=True).logits[0]
+        after = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(y[m:]).unsqueeze(-1)).squeeze(-1).tolist()
+        assert max(abs(a - b) for a, b in zip(traj.logprobs, before + after)) < 1e-4
+        stale = _hf_logprobs(old, prompt + y, len(prompt))[m:]  # what a missed update would have produced
+        assert max(abs(a - b) for a, b in zip(traj.logprobs[m:], stale)) > 1e-3
+    for traj in groups[1].trajectories:  # started after the update: θ_1 only, no θ_0 prefix reused
+        assert set(traj.versions) == {1}
+        fresh = _hf_logprobs(new, prompt + traj.response_ids, len(prompt))
+        assert max(abs(a - b) for a, b in zip(traj.logprobs, fresh)) < 1e-4
+
+
+def test_a_prefix_score_pending_when_an_update_lands_is_redone_under_the_new_weights(llm, weights, tiny_model_path):
+    """Guards against: a PFS request submitted under θ_v, still queued when θ_{v+1} is loaded, being
+    computed (at least in part) by θ_{v+1} yet recorded as θ_v's score. The PFS must be labelled
+    with the weights that computed it, and equal the distance under them (θ_2 here)."""
+    import time
+
+    from omegaconf import OmegaConf
+
+    from pace.config import Config
+    from pace.grading import Grader
+    from pace.pool import Pool, build_policy
+    from pace.rollout.engine import load_weights
+    from pace.rollout.worker import RolloutWorker
+    from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
+    from pace.tasks.base import PromptSampler
+
+    cfg = OmegaConf.structured(Config)
+    cfg.pool.name, cfg.pace.prefix_tokens, cfg.pace.target_pool, cfg.pace.ema = "pace", 8, 0, 0.0
+    cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = 1, 4, 2
+    pool = Pool(build_policy(cfg), informative=lambda g: True)
+    sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[2]), "train"), seed=1)
+    new, moved = _moved(tiny_model_path, seed=4)
+    with Grader(workers=1) as grader:
+        worker = RolloutWorker(llm, llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
+        worker._admit()
+        worker.set_trainer_version(1)  # K_gen = 1 > 0 at completion: the groups are rescored
+        while llm.llm_engine.has_unfinished_requests():
+            worker._consume(llm.llm_engine.step())
+        worker.post_weights(1, weights)  # θ_1 (θ_0's values): prefixes of θ_0 tokens need a request
+        assert worker._apply_update()
+        deadline = time.time() + 30
+        while pool.occupancy < 2 and time.time() < deadline:
+            worker._collect_grades()  # the arrivals submit scoring requests under θ_1 ...
+            time.sleep(0.05)
+        assert pool.occupancy == 2 and worker._rescoring
+        worker.set_trainer_version(2)
+        worker.post_weights(2, moved)  # ... and θ_2 lands before the engine has run them
+        assert worker._apply_update()
+        while llm.llm_engine.has_unfinished_requests():
+            worker._consume(llm.llm_engine.step())
+        groups = pool.remaining()
+    load_weights(llm, weights)
+    for g in groups:
+        assert g.pfs_version == 2, g.pfs_version
+        m = cfg.pace.prefix_tokens
+        per_response = []
+        for t in g.trajectories:
+            current = _hf_logprobs(new, g.prompt_ids + t.response_ids[:m], len(g.prompt_ids))
+            per_response.append(sum(abs(a - b) for a, b in zip(current, t.logprobs[:m])) / len(current))
+        assert g.pfs == pytest.approx(sum(per_response) / len(per_response), abs=1e-4)

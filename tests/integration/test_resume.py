@@ -112,6 +112,35 @@ def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_p
     assert len(segments) == 2 and len({p.name.rsplit("-", 1)[1] for p in segments}) == 1
 
 
+def test_resume_from_a_checkpoint_with_groups_in_flight(tiny_model_path, tmp_path):
+    """Guards against the path every other resume test avoids: a periodic checkpoint of an async
+    run holds groups in flight. In the resumed run they end as dropped_shutdown ("checkpoint"), their
+    prompts are drawn again first, fates add up across the resume and no group is trained twice."""
+    args = ["+exp=async_tiny", "trainer.steps=4", "trainer.save_every=2", "logger.mode=disabled", *SMALL]
+    proc = run_train(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checkpoint = tmp_path / "checkpoints" / "step-000002"
+    state = _state(checkpoint)
+    inflight = state["pool"]["dropped"]
+    assert inflight, "nothing was in flight at the periodic checkpoint of an async run"
+    returned = list(state["sampler"]["returned"]) + [g.prompt_id for g in inflight]
+    first_new = state["rollout"]["next_group_id"]
+
+    proc = run_train([f"resume={checkpoint}"], tmp_path / "resume-hydra")  # from step 2, not the last one
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{len(inflight)} in flight at the checkpoint dropped (prompts returned)" in proc.stderr
+    assert [m["step"] for m in _metrics(tmp_path)] == [0, 1, 2, 3]
+    groups = _check_accounting(tmp_path).set_index("id")
+    dropped = groups.loc[[g.id for g in inflight]]
+    assert (dropped.fate == "dropped_shutdown").all() and (dropped.reason == "checkpoint").all()
+    assert (dropped.step == 2).all()
+    consumed = groups[groups.fate == "consumed"]
+    assert len(consumed) == 4 * 8 and not set(consumed.index) & {g.id for g in inflight}
+    # the resumed run's first groups are the returned prompts, in order
+    resumed = groups[groups.index >= first_new].sort_index()
+    assert list(resumed.prompt_id[: len(returned)]) == returned
+
+
 def test_sync_resume_equals_the_uninterrupted_run(tiny_model_path, tmp_path):
     """Sync policy, fixed seed, rollout.deterministic: resuming from the step-3 checkpoint
     reproduces the uninterrupted run's steps 3 to 5: same groups (ids, prompts, responses' lengths
