@@ -2,6 +2,7 @@
 
     rollout  the rollout thread raises while handling engine output, once θ_version exists
     answers  the grading of every other answer fails (math-verify raising): scored wrong, counted
+    no_answers   the grading of every answer fails: every group would be filtered
     grader_dies  once θ_version exists the grading workers are killed and none can start again
                  (spawn raises ENOMEM, as fork does out of memory): the grader fails after its retries
     watchdog     once θ_version exists the grader's watchdog thread raises
@@ -27,6 +28,10 @@ def half_failing_grade(responses: list[str], golds: list[str]) -> list:
     return [None if i % 2 else check_answer(r, g) for i, (r, g) in enumerate(zip(responses, golds))]
 
 
+def failing_grade(responses: list[str], golds: list[str]) -> list:
+    return [None] * len(responses)
+
+
 def inject(kind: str, at: int) -> None:
     import pace.grading as grading
     import pace.reward as reward
@@ -42,10 +47,10 @@ def inject(kind: str, at: int) -> None:
             return consume(self, outputs)
 
         RolloutWorker._consume = _consume
-    elif kind == "answers":
+    elif kind in ("answers", "no_answers"):
         from tests.integration import faulty_train  # by module path: picklable into the grading processes
 
-        reward.grade_batch = faulty_train.half_failing_grade
+        reward.grade_batch = faulty_train.half_failing_grade if kind == "answers" else faulty_train.failing_grade
     elif kind in ("grader_dies", "watchdog"):
         import errno
         import signal

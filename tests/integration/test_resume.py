@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -216,6 +217,21 @@ def test_a_fault_stops_the_run_with_its_traceback_and_a_loadable_checkpoint(kind
     consumed = _check_accounting(tmp_path).query("fate == 'consumed'")
     assert len(consumed) == 5 * 8 and consumed.id.is_unique
     assert [m["step"] for m in _metrics(tmp_path)] == list(range(5))
+
+
+def test_a_run_whose_answers_all_fail_to_grade_stops_instead_of_filtering_forever(tiny_model_path, tmp_path):
+    """Guards against: every group filtered (all rewards equal) while the trainer waits for an
+    informative one forever. `reward.max_failed_in_row` answers in a row not graded stop the run."""
+    args = ["+exp=async_tiny", "trainer.steps=3", "logger.mode=disabled", "reward.max_failed_in_row=64", *SMALL]
+    t0 = time.time()
+    proc = _faulty("no_answers", 0, args, tmp_path, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(r"GraderError: grader failed: the last (6[4-9]|7[0-9]) answers could not be graded", proc.stderr)
+    assert "reward.max_failed_in_row = 64" in proc.stderr and "check_answer returned None" in proc.stderr
+    summary = _summary(tmp_path)
+    assert summary["status"] == "failed" and summary["steps"] == 0
+    _check_accounting(tmp_path, checkpointed=True)
+    print(f"stopped {time.time() - t0:.1f} s after start")
 
 
 def test_failed_answers_and_a_nan_loss_do_not_stop_the_run(tiny_model_path, tmp_path):
