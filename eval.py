@@ -87,10 +87,11 @@ def main(cfg: DictConfig) -> None:
     if cfg.logger.mode != "disabled":
         _log_wandb(cfg, scores, table, k)
     for name, value in scores.items():
-        n = f"({len(results[name])} problems" if name in results else ""
+        notes = [f"{len(results[name])} problems"] if name in results else []
         if dropped.get(name):
-            n += f", {dropped[name]} dropped: prompt too long"
-        print(f"{evaluation.title(name):>16}  mean@{k} = {100 * value:6.2f}%  {n + ')' if n else ''}")
+            notes.append(f"{dropped[name]} dropped: prompt too long")
+        note = "(" + ", ".join(notes) + ")" if notes else ""
+        print(f"{evaluation.title(name):>16}  mean@{k} = {100 * value:6.2f}%  {note}")
     print(f"tables: {out}/results.md, results.csv, results.tex")
 
 

@@ -228,7 +228,6 @@ class Grader:
             ("reward/graded", "reward/timeouts", "reward/errors", "reward/restarts"), 0
         )
         self._failed_in_row = 0  # answers not graded since the last graded one
-        self._last_cause = ""
         self._failure: str | None = None  # why the grader failed (message + traceback)
         self._closed = False  # no more submits (close() or a failure)
         self._shut = False  # workers stopped (close() ran)
@@ -455,7 +454,6 @@ class Grader:
 
     def _not_graded(self, answers: int, cause: str) -> None:
         self._failed_in_row += answers
-        self._last_cause = cause
         if self.max_failed_in_row and self._failed_in_row >= self.max_failed_in_row:
             self._give_up(f"the last {self._failed_in_row} answers could not be graded (timeouts or errors; "
                           f"reward.max_failed_in_row = {self.max_failed_in_row}); the last cause: {cause}")

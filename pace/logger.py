@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from pace.records import Fate, Group
-from pace.staleness import version_spans, versions_spanned
+from pace.staleness import version_spans
 
 
 def group_schema():
@@ -42,6 +42,7 @@ def group_schema():
 def group_row(group: Group) -> dict:
     """One per-group record (DESIGN §6). Staleness is taken at the step the fate was decided."""
     trajs = [t for t in group.trajectories if len(t) > 0]
+    spans = [version_spans(t.action_versions) for t in trajs]  # [v, n, v, n, …]; versions only go up
     row = {
         "id": group.id,
         "prompt_id": group.prompt_id,
@@ -68,7 +69,7 @@ def group_row(group: Group) -> dict:
         # per response: c(τ), and the versions of its model tokens as [v, n, v, n, …] spans, from
         # which K, K_gen and K_wait can be recomputed independently of the logged values
         "completed_at": [t.completed_at for t in trajs],
-        "version_spans": [version_spans(t.action_versions) for t in trajs],
+        "version_spans": spans,
     }
     complete = len(trajs) == len(group.trajectories) and trajs and all(t.completed_at >= 0 for t in trajs)
     if complete:
@@ -81,7 +82,7 @@ def group_row(group: Group) -> dict:
             acc_mean=sum(t.correct for t in trajs) / len(trajs),
             len_mean=row["num_tokens"] / len(trajs),
             len_max=max(row["lengths"]),
-            versions_spanned=max(versions_spanned(t.action_versions) for t in trajs),
+            versions_spanned=max(s[-2] - s[0] + 1 for s in spans),  # first and last span's versions
         )
         if group.step is not None:
             row["k"], row["k_gen"], row["k_wait"] = group.staleness(group.step)

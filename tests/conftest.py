@@ -75,11 +75,11 @@ def pytest_collection_modifyitems(items):
 def check_staleness(groups) -> None:
     """Every decided, complete group: the logged staleness equals the recomputed one, no token is
     newer than its response's completion, and no response completed after the step it was decided."""
+    from analysis.runs import recomputed_staleness
+
     decided = groups.dropna(subset=["k"])
     assert len(decided) > 0
     for _, row in decided.iterrows():
-        from analysis.runs import recomputed_staleness
-
         k, k_gen, k_wait = recomputed_staleness(row)
         assert abs(row.k - k) < 1e-9 and abs(row.k_gen - k_gen) < 1e-9 and abs(row.k_wait - k_wait) < 1e-9, row.id
         for spans, c in zip(row.version_spans, row.completed_at):

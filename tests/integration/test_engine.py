@@ -188,12 +188,13 @@ def _moved(tiny_model_path, seed: int, scale: float = 0.05):
     return model, [(n, t.detach().clone()) for n, t in model.state_dict().items()]
 
 
-def _hf_logprobs(model, ids: list[int], start: int) -> list[float]:
+def _hf_logprobs(model, ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+    """The trainer's log π of ``ids[start:]`` (`token_logprobs` at ``temperature``)."""
     from pace.algo.trainer import token_logprobs
 
     full = torch.tensor([ids])
     with torch.no_grad():
-        lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], 1.0)
+        lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], temperature)
     return lp[0, start - 1:].tolist()
 
 
@@ -205,7 +206,6 @@ def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tin
     log π_θ (its `token_logprobs` at the rollout temperature) to < 1e-4 per token."""
     from vllm import SamplingParams
 
-    from pace.algo.trainer import token_logprobs
     from pace.rollout.engine import load_weights
 
     model, moved = _moved(tiny_model_path, seed=2)
@@ -222,10 +222,7 @@ def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tin
     for c in outs:
         ids = list(c.token_ids)
         engine = [lp[t].logprob for t, lp in zip(ids, c.logprobs)]
-        full = torch.tensor([prompt + ids])
-        with torch.no_grad():
-            trainer, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], temperature)
-        trainer = trainer[0, len(prompt) - 1:].tolist()
+        trainer = _hf_logprobs(model, prompt + ids, len(prompt), temperature)
         worst = max(worst, max(abs(a - b) for a, b in zip(engine, trainer)))
     print(f"T={temperature}: max |ℓ^μ − log π_θ| = {worst:.2e} over {sum(len(c.token_ids) for c in outs)} tokens")
     assert worst < 1e-4
