@@ -4,8 +4,9 @@
     python train.py +exp=sync_tiny           # presets in conf/exp/ only override
     accelerate launch --config_file conf/accelerate/fsdp.yaml train.py +exp=async_qwen3_8b
 
-Data flow (DESIGN §5): rollout thread (vLLM) → grading → pool → [main thread] batch → DAPO step
-→ weight sync → engine. Rank 0 owns the rollout, the pool and the logs; every rank trains.
+Data flow (DESIGN §5): rollout thread (vLLM engines) → grading → pool → [main thread] batch →
+DAPO step → weight sync (vLLM weight transfer) → engines. Rank 0 owns the rollout, the pool and
+the logs; every rank trains and takes part in the weight sync.
 """
 from __future__ import annotations
 
@@ -192,7 +193,12 @@ def run(cfg: DictConfig) -> None:
 
     if device == "cpu":
         torch.set_num_threads(cfg.trainer.cpu_threads)
-    accelerator = Accelerator(cpu=device == "cpu")
+    # the trainer steps its LR schedule once per optimizer update, whatever the number of processes
+    accelerator = Accelerator(cpu=device == "cpu", step_scheduler_with_optimizer=False)
+    world = accelerator.num_processes
+    if cfg.rollout.deterministic and engine_lib.engine_mode(cfg.rollout, device, world) != "inproc":
+        raise UserError(f"rollout.deterministic needs the in-process engine, which runs with one trainer process on CPU "
+                        f"(here: {world} processes on {device})")
     set_seed(cfg.seed)
     main_rank = accelerator.is_main_process
     if checkpoint is not None:
@@ -218,7 +224,7 @@ def run(cfg: DictConfig) -> None:
     config = OmegaConf.to_container(cfg, resolve=True)
     checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints)
 
-    rollout = pool = logger = llm = grader = best = validations = parts = None
+    rollout = pool = logger = llm = grader = best = validations = parts = sync = None
     if main_rank:
         from pace.algo.advantages import is_informative
         from pace.grading import Grader
@@ -233,7 +239,7 @@ def run(cfg: DictConfig) -> None:
                     capacity=cfg.pool.capacity)
         grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                         max_failed_in_row=cfg.reward.max_failed_in_row)
-        llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
+        llm = engine_lib.build_fleet(model_path, cfg, device, world)
         if val_sets is not None:
             from pace.validation import BestCheckpoint, Validations
 
@@ -249,11 +255,13 @@ def run(cfg: DictConfig) -> None:
             print(f"resuming {run_dir} from {checkpoint.name}: {pool.occupancy} pooled groups, "
                   f"{len(dropped)} in flight at the checkpoint dropped (prompts returned)", file=sys.stderr)
         print(f"run directory: {run_dir}", file=sys.stderr)
+    from pace.sync import WeightSync
+
+    sync = WeightSync(cfg, trainer, rollout, device)  # every rank: the trainer side of vLLM weight transfer
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)
-        weights = trainer.full_state_dict()  # collective under FSDP
-        if main_rank:
-            rollout.post_weights(trainer.version, weights)  # the engine starts from θ_version
+        sync.prepare(trainer.version)
+        sync.publish(trainer.version)  # the engines start from θ_version
     if main_rank:
         rollout.set_trainer_version(trainer.version)
         rollout.start()
@@ -284,9 +292,10 @@ def run(cfg: DictConfig) -> None:
                 rollout.set_trainer_version(trainer.version)  # θ_{step+1} exists from here on
             batch_done, batch = batch, None  # trained: a failure from here on does not undo it
 
-            t_sync, weights = time.perf_counter(), None
-            if trainer.version % cfg.rollout.sync_every == 0 or trainer.version == cfg.trainer.steps:
-                weights = trainer.full_state_dict()  # collective under FSDP: every rank calls it
+            t_sync = time.perf_counter()
+            due = trainer.version % cfg.rollout.sync_every == 0 or trainer.version == cfg.trainer.steps
+            if due:
+                sync.prepare(trainer.version)  # every rank (all-gathers under FSDP); shm: θ into its slot
             metrics["time/sync"] = time.perf_counter() - t_sync
 
             if main_rank:
@@ -309,8 +318,8 @@ def run(cfg: DictConfig) -> None:
                 )
             if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0 and trainer.version < cfg.trainer.steps:
                 checkpointer.save(f"every {cfg.trainer.save_every} steps", parts)
-            if main_rank and weights is not None:  # after the checkpoint: a sync run has nothing in flight in it
-                rollout.post_weights(trainer.version, weights)
+            if due:  # after the checkpoint: a sync run has nothing in flight in it
+                sync.publish(trainer.version)
         else:
             if validations is not None:  # the final weights' validation, logged after the last step
                 validations.finish(logger, cfg.trainer.steps, stop=lambda: stop.requested)
@@ -346,6 +355,8 @@ def run(cfg: DictConfig) -> None:
                 summary.update(best.summary())
             logger.close(pool.remaining() if saved is None else [], summary)
             engine_lib.shutdown(llm)
+            if sync is not None:
+                sync.close()
             pool.check_accounting()
             print(f"{status}: {trainer.version} steps, fates {counts}, logs in {run_dir}", file=sys.stderr)
     if stop.requested:

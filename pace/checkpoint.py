@@ -1,7 +1,7 @@
 """Checkpoints: what a run needs to continue as if it had not stopped (DESIGN §5).
 
     <run>/checkpoints/step-000040/        θ_40: written after training step 39, before step 40
-        model.safetensors optimizer.bin scheduler.bin random_states_<rank>.pkl
+        model.safetensors optimizer.bin custom_checkpoint_0.pkl (LR schedule) random_states_<rank>.pkl
                           Accelerate `save_state` (every rank; sharded under FSDP): weights, AdamW
                           moments, LR schedule, the Python/NumPy/torch RNG states
         run_state.pkl     rank 0's side: the pool (every pooled group with its tokens, behaviour

@@ -78,6 +78,18 @@ class RolloutConfig:
     # `</code>`, the program runs in the sandbox (`tools`), its output is appended between
     # interpreter tags and generation resumes; the response budget (max_tokens) counts both.
     max_tool_calls: int = 0
+    # Placement (pace/rollout/engine.py, README "Paper runs on GPUs"). `engines` data-parallel
+    # vLLM engines of `tensor_parallel_size` GPUs each; their cores run in this process (inproc)
+    # or in their own (child). auto: inproc for one trainer process on CPU, else child.
+    engines: int = 1
+    engine_process: str = "auto"  # auto | inproc | child
+    # GPU: separate (engines on GPUs of their own: `gpus`, default the ones after the trainer's)
+    # or colocate (the engines share rank 0's GPU with the trainer: a single-GPU run).
+    placement: str = "separate"
+    gpus: Optional[list[int]] = None
+    # vLLM weight-transfer backend: auto (shm on CPU, nccl on GPU) | shm (pace/rollout/transfer.py:
+    # a /dev/shm file, engines on trainer rank 0's host) | nccl (vLLM's)
+    weight_transfer: str = "auto"
 
 
 @dataclass
@@ -221,11 +233,14 @@ _CHOICES = {
     "algo.filter_on": ("acc", "reward"),
     "logger.mode": ("online", "offline", "disabled"),
     "rollout.cpu_threads_bind": ("nobind", "auto"),
+    "rollout.engine_process": ("auto", "inproc", "child"),
+    "rollout.placement": ("separate", "colocate"),
+    "rollout.weight_transfer": ("auto", "shm", "nccl"),
 }
 
 _POSITIVE = (
     "data.batch_prompts", "rollout.max_tokens", "rollout.max_inflight_groups", "rollout.sync_every",
-    "rollout.max_model_len", "trainer.steps", "trainer.mini_batches", "trainer.micro_batch_size",
+    "rollout.max_model_len", "rollout.engines", "trainer.steps", "trainer.mini_batches", "trainer.micro_batch_size",
     "reward.timeout_s", "reward.workers", "rollout.temperature", "tools.workers", "tools.wall_s",
     "tools.cpu_s", "tools.memory_mb", "tools.output_bytes", "tools.output_chars", "trainer.lr", "eval.k", "eval.temperature",
 )
@@ -292,6 +307,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.max_prompt_tokens must be >= 1 or null, got {cfg.data.max_prompt_tokens}")
     if cfg.reward.max_failed_in_row < 0:
         raise ConfigError(f"reward.max_failed_in_row must be >= 0 (0: never stop), got {cfg.reward.max_failed_in_row}")
+    if cfg.rollout.engine_process == "inproc" and cfg.rollout.engines != 1:
+        raise ConfigError("rollout.engine_process=inproc runs one engine: set rollout.engines=1 or engine_process=child")
+    if cfg.rollout.deterministic and cfg.rollout.engine_process == "child":
+        raise ConfigError("rollout.deterministic needs the engine stepped by the rollout thread: rollout.engine_process=inproc")
 
 
 def _check_schema(cfg: DictConfig) -> None:

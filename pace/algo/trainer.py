@@ -98,8 +98,12 @@ class DAPOTrainer:
         t = cfg.trainer
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         warmup = max(1, t.warmup_steps * t.mini_batches)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
-        self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
+        # Not given to `prepare`: Accelerate's wrapper steps a schedule once per process per update
+        # (`AcceleratedScheduler.step`), so the warm-up would end N times sooner on N processes.
+        # Stepped here once per optimizer update and saved with the state (register_for_checkpointing).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
+        accelerator.register_for_checkpointing(self.scheduler)
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
         self.loss_fn = build_loss(cfg.algo)  # chosen once, from config
         self.proximal = cfg.algo.ratio_ref == "proximal"
         self.version = 0
@@ -111,22 +115,9 @@ class DAPOTrainer:
     # --- one training step ----------------------------------------------------------------
     def step(self, batch: Batch | None) -> dict[str, float]:
         """Train on ``batch`` (given on rank 0, None elsewhere). Returns rank-0 metrics."""
-        from accelerate.utils import broadcast_object_list
-
-        payload = [None]
-        if self.acc.is_main_process:
-            payload = [[(g.prompt_ids, g.trajectories) for g in batch.groups]]
-        if self.acc.num_processes > 1:
-            broadcast_object_list(payload, from_process=0)
-        groups = payload[0]
-
+        shares = self._scatter(batch)  # this rank's (prompt, trajectory) pairs of each mini-batch
         t0 = time.perf_counter()
         n_mini = self.cfg.trainer.mini_batches
-        per_mini = math.ceil(len(groups) / n_mini)
-        shares = []  # this rank's (prompt, trajectory) pairs of each mini-batch
-        for m in range(n_mini):
-            pairs = [(p, t) for p, trajs in groups[m * per_mini : (m + 1) * per_mini] for t in trajs]
-            shares.append(pairs[self.acc.process_index :: self.acc.num_processes])
         prox = self._proximal_logprobs([pair for share in shares for pair in share]) if self.proximal else None
         self.model.train()
         totals = dict.fromkeys(("loss", "clipped", "tokens", "entropy", "ratio", "grad_norm", "skipped"), 0.0)
@@ -147,6 +138,22 @@ class DAPOTrainer:
             "train/nonfinite_skipped": int(totals["skipped"]),
             "time/train": time.perf_counter() - t0,
         }
+
+    def _scatter(self, batch: Batch | None) -> list[list[tuple[list[int], Trajectory]]]:
+        """Rank 0 splits each mini-batch over the ranks (rank r: trajectories r, r + N, …) and
+        sends every rank only its share (`scatter_object_list`)."""
+        n_mini, n_rank = self.cfg.trainer.mini_batches, self.acc.num_processes
+        per_rank = None
+        if self.acc.is_main_process:
+            groups = [(g.prompt_ids, g.trajectories) for g in batch.groups]
+            per_mini = math.ceil(len(groups) / n_mini)
+            minis = [[(p, t) for p, trajs in groups[m * per_mini : (m + 1) * per_mini] for t in trajs] for m in range(n_mini)]
+            per_rank = [[pairs[r::n_rank] for pairs in minis] for r in range(n_rank)]
+        if n_rank == 1:
+            return per_rank[0]
+        box = [None]
+        torch.distributed.scatter_object_list(box, per_rank, src=0)
+        return box[0]
 
     @torch.no_grad()
     def _proximal_logprobs(self, pairs: list[tuple[list[int], Trajectory]]) -> dict[int, list[float]]:
@@ -236,11 +243,8 @@ class DAPOTrainer:
 
     # --- weight sync ----------------------------------------------------------------------
     def full_state_dict(self) -> list[tuple[str, torch.Tensor]] | None:
-        """Full (unsharded) weights as (name, tensor) on rank 0, None elsewhere. Collective under FSDP.
-
-        Tensors are copies: the trainer keeps updating its parameters while the rollout thread
-        loads these between engine steps.
-        """
+        """Full (unsharded) weights as (name, tensor) on rank 0, None elsewhere. Collective under
+        FSDP. (Tests and tools; the weight sync streams parameters through pace/sync.py.)"""
         state = self.acc.get_state_dict(self.model, unwrap=True)
         if not self.acc.is_main_process:
             return None

@@ -1,8 +1,11 @@
-"""The in-process vLLM engine: construction, in-place weight reload, prefix rescoring.
+"""The vLLM engines: environment, construction and placement, prefix rescoring helpers.
 
-The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the rollout thread can
-step it and load weights between steps. With tensor parallelism vLLM still runs its workers in
-their own processes; weights then travel through `collective_rpc` as a list.
+`rollout.engine_process` places each engine core: ``inproc`` (in this process, stepped by the
+rollout thread: the CPU default with one trainer process, ~13-24 s faster to start on 2 cores) or
+``child`` (its own process, never inside the trainer's process group: required with more than
+one trainer process, and the GPU default). `rollout.engines` data-parallel engines of
+`rollout.tensor_parallel_size` GPUs each run on GPUs of their own (`rollout.gpus`), the trainer
+on the others. Weights reach them through vLLM's weight-transfer API (pace/rollout/transfer.py).
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ def configure_environment(rollout_cfg, device: str) -> None:
     no core binding (`rollout.cpu_threads_bind=nobind`), measured on 2 cores to keep ~94% / ~91% of
     their one-thread speeds when they overlap, against 60% / 49% with vLLM's default binding.
     """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # an engine core in a child process is started fresh (never a fork of a trainer process,
+    # whose torch.distributed state vLLM would find and join)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)
@@ -28,31 +33,85 @@ def configure_environment(rollout_cfg, device: str) -> None:
             os.environ.setdefault("OMP_NUM_THREADS", str(rollout_cfg.cpu_threads))
 
 
-def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int):
+# torchrun / accelerate variables: an engine process must not see the trainer's world
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION")
+
+
+def engine_mode(rollout_cfg, device: str, world_size: int) -> str:
+    """``inproc`` or ``child`` for `rollout.engine_process` (``auto``: in-process only for one
+    trainer process on CPU)."""
+    mode = rollout_cfg.engine_process
+    if mode == "auto":
+        return "inproc" if device == "cpu" and world_size == 1 and rollout_cfg.engines == 1 else "child"
+    return mode
+
+
+def transfer_backend(rollout_cfg, device: str) -> str:
+    from pace.rollout import transfer
+
+    backend = rollout_cfg.weight_transfer
+    if backend == "auto":
+        backend = "shm" if device == "cpu" else "nccl"
+    return transfer.BACKEND if backend == "shm" else backend
+
+
+def engine_gpus(rollout_cfg, trainer_gpus: int) -> list[list[int]]:
+    """The GPU ids of each engine: `rollout.gpus` if given, else the GPUs after the trainer's
+    (engine e on trainer_gpus + e·TP … + TP − 1)."""
+    tp, n = rollout_cfg.tensor_parallel_size, rollout_cfg.engines
+    ids = list(rollout_cfg.gpus) if rollout_cfg.gpus else list(range(trainer_gpus, trainer_gpus + n * tp))
+    if len(ids) != n * tp:
+        raise ValueError(f"rollout.gpus: {n} engines × tensor_parallel_size {tp} need {n * tp} GPU ids, got {ids}")
+    return [ids[e * tp : (e + 1) * tp] for e in range(n)]
+
+
+def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str = "inproc", backend: str | None = None,
+                 gpus: list[int] | None = None):
+    """One vLLM engine (`LLM`). ``mode`` places its core; ``backend`` enables vLLM's weight
+    transfer (pace's shm backend is registered in the worker by `worker_extension_cls`)."""
     import logging
 
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "child" else "0"
+    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ} if mode == "child" else {}
+    if gpus is not None and mode == "child":
+        saved["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     from vllm import LLM
+    from vllm.config import WeightTransferConfig
 
-    llm = LLM(
-        model=model_path,
-        dtype=dtype,
-        seed=seed,
-        max_model_len=rollout_cfg.max_model_len,
-        max_num_seqs=rollout_cfg.max_num_seqs,
-        tensor_parallel_size=rollout_cfg.tensor_parallel_size,
-        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-        enforce_eager=rollout_cfg.enforce_eager,
-        enable_prefix_caching=True,
-        # Validation (VALIDATION_PRIORITY) and PACE's prefix-rescoring requests (SCORING_PRIORITY)
-        # are scheduled ahead of waiting generation requests; generation requests all share
-        # priority 0 (FCFS among them).
-        scheduling_policy="priority",
-        # Tokens returned by a step must come from the weights loaded before that step, so that
-        # v_t is exact: no batch may be in flight across a weight update.
-        async_scheduling=False,
-        # ℓ^μ must be the log-prob of the distribution actually sampled (after temperature / top-p).
-        logprobs_mode="processed_logprobs",
-    )
+    extra = {}
+    if backend is not None:
+        extra = dict(weight_transfer_config=WeightTransferConfig(backend=backend),
+                     worker_extension_cls="pace.rollout.transfer.WorkerExtension")
+    try:
+        llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=rollout_cfg.max_model_len,
+            max_num_seqs=rollout_cfg.max_num_seqs,
+            tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+            enforce_eager=rollout_cfg.enforce_eager,
+            enable_prefix_caching=True,
+            # Validation (VALIDATION_PRIORITY) and PACE's prefix-rescoring requests (SCORING_PRIORITY)
+            # are scheduled ahead of waiting generation requests; generation requests all share
+            # priority 0 (FCFS among them).
+            scheduling_policy="priority",
+            # Tokens returned by a step must come from the weights loaded before that step, so that
+            # v_t is exact: no batch may be in flight across a weight update.
+            async_scheduling=False,
+            # ℓ^μ must be the log-prob of the distribution actually sampled (after temperature / top-p).
+            logprobs_mode="processed_logprobs",
+            **extra,
+        )
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     # Two warnings that repeat and mean nothing here: every in-place reload says rotary embeddings
     # (a cache buffer, no checkpoint weights) loaded nothing, and vLLM's CPU worker says it ignores
     # torch.set_num_threads (it replaced the function). vLLM configures its loggers while building
@@ -60,6 +119,21 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int):
     for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.cpu_worker"):
         logging.getLogger(name).setLevel(logging.ERROR)
     return llm
+
+
+def build_fleet(model_path: str, cfg, device: str, world_size: int, version: int = 0):
+    """The rollout engines of a run (rank 0), labelled with weight version ``version``."""
+    from pace.rollout.fleet import EngineFleet
+
+    mode = engine_mode(cfg.rollout, device, world_size)
+    backend = transfer_backend(cfg.rollout, device)
+    placement = engine_gpus(cfg.rollout, world_size) if device == "cuda" and cfg.rollout.placement == "separate" else None
+    llms = [build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed + e, mode, backend,
+                         None if placement is None else placement[e])
+            for e in range(cfg.rollout.engines)]
+    fleet = EngineFleet(llms)
+    fleet.set_version(version)
+    return fleet
 
 
 def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -88,7 +162,11 @@ def cache_salt(version: int) -> str:
 
 
 def shutdown(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    """Shut an `LLM` or an `EngineFleet` down."""
+    if hasattr(llm, "llm_engine"):
+        llm.llm_engine.engine_core.shutdown()
+    else:
+        llm.shutdown()
 
 
 def scoring_params():

@@ -1,0 +1,161 @@
+"""Generation on the rollout engines: groups in, graded groups out to the pool. A mixin of
+`RolloutWorker`; state: ``_pending`` (group id → its responses so far), ``_grading`` (groups
+being graded, in completion order), ``_next_group_id``.
+
+Every new token gets v_t = the weights that sampled it and its ℓ^μ_t. The rollout thread stamps
+each step's tokens with the version it has loaded; vLLM labels them too (`weight_versions`, the
+version set with each update), and when a request finishes its spans replace the stamps. With
+an in-process engine the two must agree exactly (checked); an out-of-process engine core runs
+ahead of what the rollout thread has read, so there the spans are the record. A response that
+finishes gets c(τ) = the trainer's version at that moment; a group whose G responses are done is
+graded (process pool, non-blocking) and then pooled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pace.algo.advantages import correctness_reward, group_advantages, overlong_penalty
+from pace.records import Group, Trajectory
+from pace.rollout import engine as engine_lib
+from pace.tools.runner import is_tool_stop
+
+
+@dataclass
+class _Pending:
+    group: Group
+    remaining: int
+    responses: dict[int, Trajectory] = field(default_factory=dict)
+    turns: dict[int, int] = field(default_factory=dict)  # multi-turn: response → current turn (request id suffix)
+    turn_start: dict[int, int] = field(default_factory=dict)  # response → index of its current turn's first token
+
+    def request_id(self, i: int) -> str:
+        turn = self.turns.get(i, 0)
+        return f"g{self.group.id}-{i}" if turn == 0 else f"g{self.group.id}-{i}-{turn}"
+
+
+class VersionMismatch(RuntimeError):
+    """vLLM's weight-version spans disagree with the rollout thread's stamps (in-process engine)."""
+
+
+def span_versions(spans) -> list[int]:
+    """Per-token versions from vLLM's `WeightVersionSpan`s (labels are the published versions)."""
+    out: list[int] = []
+    for s in spans:
+        out.extend([int(s.version)] * (s.end - s.start))
+    return out
+
+
+class GenerationMixin:
+    def _turn_params(self, max_tokens: int, calls: int):
+        from vllm import SamplingParams
+
+        tool = self.tools.turn_kwargs(calls) if self.tools is not None else {}
+        return SamplingParams(max_tokens=max_tokens, **tool, **self._sampling)
+
+    def _admit(self) -> bool:
+        started = False
+        if self.trainer_version >= self.final_version:
+            return False  # training is over; only the final validation may still run
+        while self.pool.admits(self.engine_version, self.trainer_version):
+            prompt = self.sampler.next()
+            group = Group(
+                id=self._next_group_id,
+                prompt_id=prompt.id,
+                prompt_ids=self.tokenizer(prompt.text, add_special_tokens=False).input_ids,
+                answer=prompt.answer,
+                submitted_at=self.trainer_version,
+            )
+            self._next_group_id += 1
+            self.pool.on_submitted(group)
+            self._pending[group.id] = _Pending(group, self.group_size)
+            for i in range(self.group_size):
+                prompt = {"prompt_token_ids": group.prompt_ids, "cache_salt": engine_lib.cache_salt(self.engine_version)}
+                self.engine.add_request(f"g{group.id}-{i}", prompt, self.params, group=f"g{group.id}")
+            started = True
+        return started
+
+    def _consume(self, outputs) -> None:
+        version = self.engine_version  # every token of this step came from these weights (in-process)
+        for out in outputs:
+            if out.request_id[0] == "s":
+                if out.finished:
+                    self._consume_score(out)
+                continue
+            if out.request_id[0] == "v":
+                self._val[0].on_output(out)
+                continue
+            gid, idx = (int(x) for x in out.request_id[1:].split("-")[:2])
+            pending = self._pending[gid]
+            traj = pending.responses.get(idx)
+            if traj is None:
+                traj = pending.responses[idx] = Trajectory([], [], [], completed_at=-1, finish_reason="")
+            tool_call = False
+            for comp in out.outputs:
+                traj.response_ids.extend(comp.token_ids)
+                traj.logprobs.extend(lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs))
+                traj.versions.extend([version] * len(comp.token_ids))
+                if traj.action_mask is not None:
+                    traj.action_mask.extend([True] * len(comp.token_ids))
+                self.stats["tokens"] += len(comp.token_ids)
+                if out.finished:
+                    self._record_spans(traj, pending.turn_start.get(idx, 0), comp.weight_versions)
+                    traj.finish_reason = comp.finish_reason or "stop"
+                    tool_call = self.tools is not None and is_tool_stop(comp)
+            left = self.cfg.rollout.max_tokens - len(traj) if tool_call else 0
+            if left > 0:  # the turn ended at </code>: run the program, the response continues after it
+                self.tools.submit((gid, idx), traj.response_ids[pending.turn_start.get(idx, 0):], left)
+            elif out.finished:
+                self._finish_response(pending, traj)
+
+    def _record_spans(self, traj: Trajectory, start: int, spans) -> None:
+        """The finished turn's tokens (from ``start``) take vLLM's per-token versions."""
+        if spans is None:  # vLLM gives none for a turn that produced no token
+            return
+        versions = span_versions(spans)
+        if len(versions) != len(traj) - start:
+            raise VersionMismatch(f"weight_versions cover {len(versions)} tokens, the turn has {len(traj) - start}")
+        if self.engine.in_process and versions != traj.versions[start:]:
+            raise VersionMismatch(f"weight_versions {[(s.version, s.start, s.end) for s in spans]} disagree with the "
+                                  f"rollout's stamps {traj.versions[start:]}")
+        traj.versions[start:] = versions
+
+    def _finish_response(self, pending: _Pending, traj: Trajectory) -> None:
+        traj.completed_at = self.trainer_version
+        pending.remaining -= 1
+        if pending.remaining == 0:
+            self._finish_group(pending)
+
+    def _finish_group(self, pending: _Pending) -> None:
+        del self._pending[pending.group.id]
+        self.engine.release_group(f"g{pending.group.id}")
+        group = pending.group
+        group.trajectories = [pending.responses[i] for i in range(self.group_size)]
+        texts = self.tokenizer.batch_decode([t.response_ids for t in group.trajectories], skip_special_tokens=True)
+        for traj, text in zip(group.trajectories, texts):
+            traj.text = text
+        if self.tools is not None:
+            # graded on the model's own tokens: a program printing "Answer: ..." must not answer for it
+            texts = self.tokenizer.batch_decode([t.action_ids for t in group.trajectories], skip_special_tokens=True)
+        self._grading.append((group, self.grader.submit(texts, [group.answer] * len(texts))))
+
+    def _collect_grades(self) -> bool:
+        if self.grader is not None:
+            self.grader.check()  # a failed grader stops the run now, not at the next finished group
+        done = False
+        # Grades come back in submission order (completion order): the pool stays FIFO by completion.
+        while self._grading and self._grading[0][1].done():
+            group, job = self._grading.popleft()
+            self._score(group, job.result())
+            if self.pool.add(group, self.trainer_version) and self.prefix_tokens:
+                # the arrival raises the occupancy, and so the predicted budget and the candidates
+                self._start_rescoring()
+            done = True
+        return done
+
+    def _score(self, group: Group, correct: list[bool]) -> None:
+        r = self.cfg.rollout
+        for traj, ok in zip(group.trajectories, correct):
+            traj.correct = ok
+            traj.reward = correctness_reward(ok) + overlong_penalty(len(traj), r.max_tokens, r.overlong_buffer)
+        for traj, adv in zip(group.trajectories, group_advantages([t.reward for t in group.trajectories], self.cfg.algo.adv_eps)):
+            traj.advantage = adv

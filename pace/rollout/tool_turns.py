@@ -1,0 +1,47 @@
+"""Multi-turn tool use on the rollout engines (`rollout.max_tool_calls` > 0, ReTool). A mixin of
+`RolloutWorker`; state: ``tools`` (the `ToolRunner`) and the turns recorded in ``_pending``.
+
+A turn that stops at `</code>` hands its program to the `ToolRunner` (sandbox calls on a thread
+pool, while the engines step the other requests); when the call returns, its interpreter text is
+tokenized and appended to the response as context (action_mask False, no behaviour log-prob:
+placeholder 0.0 and the engine version), and a continuation request (prompt + response so far,
+the rest of the `max_tokens` budget) goes back to the same engine, salted with the weights
+version then loaded. Weight updates can land within a turn (in-flight requests continue) and
+between turns; the per-token versions record both. After `max_tool_calls` calls the stop string
+is no longer set. c(τ) is set when the last turn finishes.
+"""
+from __future__ import annotations
+
+from pace.rollout import engine as engine_lib
+
+
+class ToolTurnsMixin:
+    def _collect_tools(self) -> bool:
+        """Append each finished call's interpreter text to its response and continue generating."""
+        done = self.tools.poll()
+        budget = self.cfg.rollout.max_tokens
+        for (gid, idx), result, ids in done:
+            pending = self._pending.get(gid)
+            if pending is None:  # abandoned while its call ran (a stop)
+                continue
+            traj = pending.responses[idx]
+            traj.tool_calls += 1
+            traj.tool_errors += not result.ok
+            if traj.action_mask is None:
+                traj.action_mask = [True] * len(traj)
+            traj.response_ids.extend(ids)
+            traj.logprobs.extend([0.0] * len(ids))
+            traj.versions.extend([self.engine_version] * len(ids))
+            traj.action_mask.extend([False] * len(ids))
+            left = budget - len(traj)
+            if left <= 0:  # the tool output used up the response budget
+                traj.finish_reason = "length"
+                self._finish_response(pending, traj)
+                continue
+            pending.turns[idx] = pending.turns.get(idx, 0) + 1
+            pending.turn_start[idx] = len(traj)
+            prompt = {"prompt_token_ids": pending.group.prompt_ids + traj.response_ids,
+                      "cache_salt": engine_lib.cache_salt(self.engine_version)}
+            params = self._turn_params(left, calls=traj.tool_calls)
+            self.engine.add_request(pending.request_id(idx), prompt, params, group=f"g{gid}")
+        return bool(done)

@@ -1,0 +1,280 @@
+"""Weight transfer from the trainer to the vLLM engines through vLLM's weight-transfer API.
+
+vLLM 0.32 (`vllm.distributed.weight_transfer`) splits a weight update into a trainer side
+(`TrainerWeightTransferEngine`: materialise each parameter, put it on the wire) and a worker side
+(`WeightTransferEngine` in every engine worker: receive it and load it between
+`start_weight_update` / `finish_weight_update`, which run vLLM's layerwise reload so kernel
+repacking, fused projections and tied weights are redone). The worker side is driven by RPCs
+(`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`)
+issued by the rollout thread, which owns the engines (pace/rollout/fleet.py).
+
+Backends, chosen by `rollout.weight_transfer`:
+- ``nccl`` (vLLM's, GPU): trainer rank 0 broadcasts each parameter to every engine worker; every
+  trainer rank takes part in the FSDP all-gather of each parameter (`full_tensor()`).
+- ``shm`` (this module, registered with both factories): trainer rank 0 writes every parameter,
+  cast to the engine dtype, into a file in /dev/shm (two alternating slots), and each worker
+  maps the file and loads views of it. No pickling, no second host copy, no fp32 upcast. It is
+  the CPU path and works for engines on the same host as trainer rank 0.
+
+The worker side of ``shm`` is registered when this module is imported in the engine worker:
+the engines are built with `worker_extension_cls="pace.rollout.transfer.WorkerExtension"`, which
+vLLM imports in every worker process before it creates the weight-transfer engine.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    materialize_full_tensor,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+BACKEND = "pace_shm"
+ALIGN = 64  # bytes: every tensor starts at a multiple (views of any dtype are aligned)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+def layout(meta: list[ParamMeta]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in the buffer, and the buffer size."""
+    offsets, pos = [], 0
+    for m in meta:
+        offsets.append(pos)
+        nbytes = torch.Size(m.shape).numel() * torch.empty((), dtype=m.dtype).element_size()
+        pos += -(-nbytes // ALIGN) * ALIGN
+    return offsets, max(pos, ALIGN)
+
+
+# --- the worker (engine) side --------------------------------------------------------------
+
+
+@dataclass
+class ShmInitInfo(WeightTransferInitInfo):
+    directory: str = ""
+
+
+@dataclass
+class ShmUpdateInfo(WeightTransferUpdateInfo):
+    path: str
+    size: int
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+
+
+class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
+    """Loads the weights of one update from a shared-memory file (the engine worker's side)."""
+
+    init_info_cls = ShmInitInfo
+    update_info_cls = ShmUpdateInfo
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        self.directory = init_info.directory
+        self._maps: list[mmap.mmap] = []
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:  # the layerwise reload buffers views of the file until a layer is complete
+            maps, self._maps = self._maps, []
+            for buf in maps:
+                try:
+                    buf.close()
+                except BufferError:  # a view still alive: the mapping goes with the last one
+                    pass
+
+    def receive_weights(self, info: ShmUpdateInfo) -> None:
+        with open(info.path, "rb") as f:  # a private mapping: pages are read in place, never copied back
+            buf = mmap.mmap(f.fileno(), info.size, access=mmap.ACCESS_COPY)
+        self._maps.append(buf)
+        self.model.load_weights(_views(torch.frombuffer(buf, dtype=torch.uint8), info, self.device))
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _views(flat: torch.Tensor, info: ShmUpdateInfo, device) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, dtype_name, shape, offset in zip(info.names, info.dtype_names, info.shapes, info.offsets):
+        dtype = getattr(torch, dtype_name)
+        n = torch.Size(shape).numel() * dtype.itemsize
+        yield name, flat[offset : offset + n].view(dtype).view(shape).to(device)
+
+
+class WorkerExtension:
+    """`worker_extension_cls` of the engines: importing this module registers the backend in the
+    worker process. It adds no methods (the weight-transfer RPCs are vLLM's own)."""
+
+
+# --- the trainer side ----------------------------------------------------------------------
+
+
+@dataclass
+class ShmTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = BACKEND
+    directory: str = field(default="/dev/shm")
+    run_id: str = field(default="")
+
+
+class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
+    """Trainer rank 0 writes θ into one of two slot files; every rank iterates the source (under
+    FSDP each `full_tensor()` is a collective). `send_weights` hands the slot to the client, which
+    loads it into the engines (the rollout thread, between engine steps, without blocking the
+    trainer: a newer slot replaces one not yet loaded, and a slot being loaded is not rewritten).
+    """
+
+    init_info_cls = ShmTrainerInitInfo
+
+    def __init__(self, *, client, source, is_sender: bool, directory: str, run_id: str):
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.paths = [os.path.join(directory, f"pace-weights-{run_id}-{i}.bin") for i in range(2)]
+        self.locks = [threading.Lock(), threading.Lock()]
+        self.slot = 0
+        self.meta: list[ParamMeta] | None = None
+
+    @classmethod
+    def trainer_init(cls, init_info: ShmTrainerInitInfo, *, client, source: WeightSource | None = None):
+        if source is None:
+            raise ValueError("shm weight transfer needs a WeightSource")
+        run_id = init_info.run_id or f"{os.getpid()}"
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
+                     directory=init_info.directory, run_id=run_id)
+        if engine.is_sender:
+            client.init_weight_transfer_engine(asdict(ShmInitInfo(directory=init_info.directory)))
+        return engine
+
+    def write(self) -> dict | None:
+        """Materialise and write θ (every rank iterates; rank 0 writes). The update on rank 0."""
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:
+                pass
+            return None
+        slot = self.slot
+        self.slot = 1 - slot
+        with self.locks[slot]:  # not while the rollout thread loads this slot
+            info = write_slot(self.paths[slot], meta, iter(self.source))
+        return {"info": asdict(info), "lock": self.locks[slot]}
+
+    def send_weights(self, version: int | None = None) -> None:
+        update = self.write()
+        if update is not None:
+            self.client.post_update(version, update)
+
+    def shutdown(self) -> None:
+        if self.is_sender:
+            for path in self.paths:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+
+def write_slot(path: str, meta: list[ParamMeta], tensors) -> ShmUpdateInfo:
+    """Write ``tensors`` ((name, tensor) pairs in ``meta``'s order, cast to ``meta``'s dtypes) into
+    the file at ``path``, each at its aligned offset. One copy: into the shared mapping."""
+    offsets, size = layout(meta)
+    with open(path, "a+b") as f:
+        if os.fstat(f.fileno()).st_size != size:
+            f.truncate(size)
+        buf = mmap.mmap(f.fileno(), size)
+    try:
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+        count = 0
+        for (name, tensor), m, offset in zip(tensors, meta, offsets):
+            if name != m.name:
+                raise RuntimeError(f"weight source yielded {name!r}, its metadata says {m.name!r}")
+            n = tensor.numel() * m.dtype.itemsize
+            flat[offset : offset + n].view(m.dtype).view(m.shape).copy_(tensor.detach())
+            count += 1
+        if count != len(meta):
+            raise RuntimeError(f"weight source yielded {count} tensors, its metadata lists {len(meta)}")
+        del flat
+    finally:
+        buf.close()
+    return ShmUpdateInfo(path=path, size=size, names=[m.name for m in meta],
+                         dtype_names=[_dtype_name(m.dtype) for m in meta],
+                         shapes=[list(m.shape) for m in meta], offsets=offsets)
+
+
+def read_slot(info: dict) -> list[tuple[str, torch.Tensor]]:
+    """A copy of the weights of one update (the rollout thread keeps θ_v of a validation)."""
+    out = []
+    with open(info["path"], "rb") as f:
+        data = f.read(info["size"])
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    for name, dtype_name, shape, offset in zip(info["names"], info["dtype_names"], info["shapes"], info["offsets"]):
+        dtype = getattr(torch, dtype_name)
+        n = torch.Size(shape).numel() * dtype.itemsize
+        out.append((name, flat[offset : offset + n].view(dtype).view(shape).clone()))
+    return out
+
+
+def tensor_meta(named: list[tuple[str, torch.Tensor]]) -> list[ParamMeta]:
+    return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in named]
+
+
+class CastSource(WeightSource):
+    """The trainer's parameters as the engine loads them: names without wrapper prefixes, each
+    tensor all-gathered if sharded (`full_tensor()`, a collective on every rank) and cast to the
+    engine dtype on the trainer's device before it leaves (no fp32 upcast on the wire)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        self.model = model
+        self.dtype = dtype
+
+    def _named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen = set()
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:  # tied weights (lm_head = embed_tokens) travel once, as the checkpoint has them
+                continue
+            seen.add(id(p))
+            yield _clean(name), p
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, self.dtype, tuple(p.shape)) for name, p in self._named()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        with torch.no_grad():
+            for name, p in self._named():
+                yield name, materialize_full_tensor(p.detach()).to(self.dtype)
+
+
+def _clean(name: str) -> str:
+    """Parameter names as the HF checkpoint has them: no DDP/FSDP/compile/checkpointing wrappers."""
+    for prefix in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def register() -> None:
+    """Register the shm backend with vLLM's factories (idempotent)."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, ShmWeightTransferEngine)
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, ShmTrainerWeightTransferEngine)
+
+
+register()

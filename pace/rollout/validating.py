@@ -1,0 +1,68 @@
+"""In-training validation on the rollout engines (`eval.every`). A mixin of `RolloutWorker`;
+state: ``_val`` (the run in progress), ``_val_next``, ``validations`` (the queue to the trainer
+thread), ``validated_version``.
+
+Right after θ_v loads for a due v, the validation set is submitted (one n = k request per problem,
+ahead of rollout work) and further weight updates are held until it is graded, so every
+validation sample comes from θ_v exactly. θ_v is validated for v = 0 (`eval.at_start`), the first
+loaded version at or past each multiple of `eval.every`, and the final version (`trainer.steps`).
+"""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+from pace.rollout import engine as engine_lib
+
+
+@dataclass
+class Validation:
+    """mean@k of θ_version on the validation sets, handed to the trainer thread."""
+
+    version: int
+    results: dict[str, list[list[bool]]]  # per set, per problem, the k grades
+    seconds: float  # submission to last grade; weight updates were held meanwhile
+    response_len: float  # mean over all samples, tokens
+    weights: list | None  # θ_version as (name, tensor); None for version 0 (the model on disk)
+
+
+class ValidationMixin:
+    def _maybe_validate(self, weights) -> None:
+        """``weights``: a callable returning θ_v as (name, tensor) pairs (read only if v is due), or None."""
+        v = self.engine_version
+        if self.val_sets is None or not (v >= self._val_next or v == self.final_version):
+            return
+        from pace import evaluation
+
+        every = self.cfg.eval.every
+        self._val_next = (v // every + 1) * every
+        run = evaluation.EvalRun(self.val_sets, evaluation.sampling_params(self.cfg, seeded=False), self.grader,
+                                 prefix=f"v{v}", answer_timeout_s=self.cfg.reward.timeout_s / self.group_size,
+                                 tools=evaluation.tool_runner(self.cfg, self.tokenizer, on_done=self._wake.set))
+        run.submit(self.engine, priority=engine_lib.VALIDATION_PRIORITY, salt=engine_lib.cache_salt(v))
+        self._val = (run, v, weights() if weights is not None else None, time.perf_counter())
+
+    def _poll_validation(self) -> bool:
+        if self._val is None:
+            return False
+        run, version, weights, t0 = self._val
+        if not run.poll():
+            return False
+        self._val = None
+        if self.engine_version != version:  # the hold in _apply_update guarantees this
+            raise RuntimeError(f"validation of θ_{version} ran into a weight update (engine at θ_{self.engine_version})")
+        response_len = sum(run.lengths) / max(len(run.lengths), 1)
+        self.validations.put(Validation(version, run.results, time.perf_counter() - t0, response_len, weights))
+        self.validated_version = version
+        self._wake.set()
+        return True
+
+    def drain_validations(self) -> list[Validation]:
+        """Validations finished since the last call (trainer thread)."""
+        out = []
+        while True:
+            try:
+                out.append(self.validations.get_nowait())
+            except queue.Empty:
+                return out

@@ -1,0 +1,116 @@
+"""Weight sync, the trainer's side: θ_version from every trainer rank to the rollout engines.
+
+    sync = WeightSync(cfg, trainer, rollout, device)   # every rank (rollout: rank 0's, None elsewhere)
+    sync.prepare(version)    # every rank, right after the update of that version
+    sync.publish(version)    # every rank, once the step's checkpoint (if any) is written
+
+The weights are a `CastSource` over the trainer's parameters (each all-gathered with
+`full_tensor()` under FSDP, a collective every rank joins, and cast to the engine dtype), given to
+a vLLM trainer-side weight-transfer engine. The engines' side is driven by the rollout thread
+(`RolloutWorker`), which owns them; the worker is the `VLLMWeightSyncClient` here.
+
+- ``shm`` (CPU; engines on rank 0's host): rank 0 writes θ into a shared-memory slot and posts
+  it; the rollout thread loads it between engine steps while the trainer goes on. A newer
+  version replaces one not yet loaded.
+- ``nccl`` (GPU, vLLM's `NCCLTrainerWeightTransferEngine`, not yet run on a GPU: README): rank 0
+  broadcasts each parameter to every engine worker while the rollout thread holds the engines
+  in `update_weights`; the trainer waits for the broadcast (and for a validation in progress).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from pace.rollout import engine as engine_lib
+from pace.rollout import transfer
+
+
+class WeightSync:
+    def __init__(self, cfg, trainer, rollout, device: str):
+        self.backend = engine_lib.transfer_backend(cfg.rollout, device)
+        self.acc = trainer.acc
+        source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype))
+        rank = self.acc.process_index
+        if self.backend == transfer.BACKEND:
+            run_id = _shared_token(self.acc)
+            self.engine = transfer.ShmTrainerWeightTransferEngine.trainer_init(
+                transfer.ShmTrainerInitInfo(rank=rank, directory=_shm_dir(), run_id=run_id), client=rollout, source=source)
+        elif self.backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+            workers = cfg.rollout.engines * cfg.rollout.tensor_parallel_size
+            port = _free_port() if rank == 0 else 0
+            info = NCCLTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port, world_size=1 + workers)
+            self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
+                info, client=None if rollout is None else BlockingClient(rollout), source=source)
+        else:
+            raise ValueError(f"rollout.weight_transfer: unknown backend {self.backend!r}")
+        self._update, self._version = None, None
+
+    def prepare(self, version: int) -> None:
+        """shm: every rank materialises θ, rank 0 writes it into a slot (the engines go on with
+        the previous weights). nccl: nothing yet (the broadcast needs the engines paused)."""
+        self._update = self.engine.write() if self.backend == transfer.BACKEND else None
+        self._version = version
+
+    def publish(self, version: int) -> None:
+        """The engines load θ_version. shm: rank 0 posts the slot to the rollout thread and goes
+        on; nccl: every rank takes part in the broadcast, which returns once the engines have it."""
+        if version != self._version:
+            raise RuntimeError(f"publish({version}) after prepare({self._version})")
+        if self.backend == transfer.BACKEND:
+            if self._update is not None:
+                self.engine.client.post_update(version, self._update)
+        else:
+            if self.engine.is_sender:
+                self.engine.client.version = version
+            self.engine.send_weights()
+        self._update = None
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class BlockingClient:
+    """vLLM's four-call client over the rollout thread: each call runs there, between engine
+    steps, and returns when it has (for the NCCL engine, which needs `update_weights` to run
+    while the trainer broadcasts)."""
+
+    def __init__(self, rollout):
+        self.rollout = rollout
+        self.version: int | None = None
+
+    def _run(self, fn):
+        if not self.rollout.is_alive():  # before the thread starts: the engines are idle, call here
+            return fn()
+        return self.rollout.call(fn).result()
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._run(lambda: self.rollout.init_weight_transfer_engine(init_info))
+
+    def start_weight_update(self) -> None:
+        self._run(self.rollout.begin_update)
+
+    def update_weights(self, update_info) -> None:
+        self._run(lambda: self.rollout.engine.load(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._run(lambda: self.rollout.end_update(self.version))
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+def _shared_token(acc) -> str:
+    """A name for this run's shared-memory slots (rank 0's pid)."""
+    return f"{os.getpid()}" if acc.is_main_process else "-"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
