@@ -348,6 +348,7 @@ def run(cfg: DictConfig) -> None:
                 logger.log_groups(pool.drain_decided(), step=-1)
             counts = pool.counts()
             summary = {"status": status, "steps": trainer.version, "fates": counts, "rollout": dict(rollout.stats),
+                       "processes": world, "engine_process": "inproc" if rollout.engine.in_process else "child",
                        "train/nonfinite_skipped": trainer.nonfinite_skipped,
                        "checkpoint": str(saved or checkpointer.last) if (saved or checkpointer.last) else None,
                        "resumed_from": str(checkpoint) if checkpoint is not None else None}

@@ -66,12 +66,15 @@ def engine_gpus(rollout_cfg, trainer_gpus: int) -> list[list[int]]:
     return [ids[e * tp : (e + 1) * tp] for e in range(n)]
 
 
-def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str = "inproc", backend: str | None = None,
+def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str = "inproc", backend: str | None = "auto",
                  gpus: list[int] | None = None):
     """One vLLM engine (`LLM`). ``mode`` places its core; ``backend`` enables vLLM's weight
-    transfer (pace's shm backend is registered in the worker by `worker_extension_cls`)."""
+    transfer (``auto``: `rollout.weight_transfer` for this machine; pace's shm backend is
+    registered in the worker by `worker_extension_cls`; None: no weight transfer)."""
     import logging
 
+    if backend == "auto":
+        backend = transfer_backend(rollout_cfg, "cuda" if torch.cuda.is_available() else "cpu")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "child" else "0"
     saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ} if mode == "child" else {}
     if gpus is not None and mode == "child":
@@ -137,17 +140,26 @@ def build_fleet(model_path: str, cfg, device: str, world_size: int, version: int
 
 
 def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Reload weights in place (between engine steps) and invalidate cached prefixes.
+    """Load (name, tensor) pairs into an idle in-process engine through the same weight-transfer
+    calls as a run's sync (a one-off shared-memory slot), and free its cached prefixes (tests,
+    tools; a run's rollout thread goes through `RolloutWorker.post_update`)."""
+    import tempfile
+    from dataclasses import asdict
 
-    `model.load_weights` is not enough on CPU: linear weights are repacked after loading, and
-    vLLM's `reload_weights` redoes that processing. In-flight requests keep their KV entries and
-    continue under the new weights. No new request may reuse a prefix computed under older
-    weights: the rollout salts every request's prefix-cache key with the weight version
-    (`cache_salt`), which holds even while requests run; vLLM's `reset_prefix_cache` refuses while
-    blocks are in use, so it is called (to free the old entries) only when the engine is idle.
-    """
-    weights = list(named_tensors)
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    from pace.rollout import transfer
+
+    named = list(named_tensors)
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(directory, f"pace-weights-load-{os.getpid()}.bin")
+    try:
+        info = transfer.write_slot(path, transfer.tensor_meta(named), iter(named))
+        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {"directory": directory}})
+        llm.collective_rpc("start_weight_update")
+        llm.collective_rpc("update_weights", kwargs={"update_info": asdict(info)})
+        llm.collective_rpc("finish_weight_update")
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
     if not llm.llm_engine.has_unfinished_requests():
         llm.llm_engine.reset_prefix_cache()
 

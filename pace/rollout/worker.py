@@ -46,6 +46,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
         from vllm.sampling_params import RequestOutputKind
 
         self.engine = engines if isinstance(engines, EngineFleet) else EngineFleet([engines])
+        if self.engine.version is None and hasattr(self.engine.engines[0], "set_weight_version"):
+            self.engine.set_version(0)  # vLLM labels tokens with it: the weights loaded (θ_0 until an update)
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.pool = pool

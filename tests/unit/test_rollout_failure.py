@@ -20,7 +20,7 @@ class ExplodingEngine:
         self.requests = []
         self.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cuda"))
 
-    def add_request(self, rid, prompt, params):
+    def add_request(self, rid, prompt, params, priority=0):
         self.requests.append(rid)
 
     def has_unfinished_requests(self):
