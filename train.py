@@ -222,7 +222,7 @@ def run(cfg: DictConfig) -> None:
 
     trainer = DAPOTrainer(model_path, cfg, accelerator)
     config = OmegaConf.to_container(cfg, resolve=True)
-    checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints)
+    checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints, model_path)
 
     rollout = pool = logger = llm = grader = best = validations = parts = sync = None
     if main_rank:
@@ -258,6 +258,7 @@ def run(cfg: DictConfig) -> None:
     from pace.sync import WeightSync
 
     sync = WeightSync(cfg, trainer, rollout, device)  # every rank: the trainer side of vLLM weight transfer
+    checkpointer.weights = sync.weights  # a checkpoint keeps θ_version as a model directory
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)
         sync.prepare(trainer.version)

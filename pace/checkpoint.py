@@ -10,6 +10,10 @@
                           group id, the fate counts, the logger's position (metrics rows, Parquet
                           parts, wandb run id), validation state, counters
         config.yaml       the run's resolved config: a resume runs with it
+        model/            θ_version in the engine dtype as a loadable model directory (`eval.py
+                          model.path=<checkpoint>/model`), from the weight sync's slot (shm backend,
+                          when that version was synced; under FSDP's sharded state dict it is the
+                          one full copy of the weights in the checkpoint)
         meta.json         version, why it was written, fate counts (for people and scripts)
 
 Groups in flight at a checkpoint are not in it: they count as `dropped_shutdown` there and their
@@ -148,8 +152,10 @@ def _quiet_accelerate() -> None:
 class Checkpointer:
     """Writes checkpoints of one run (every rank calls `save`: the trainer state is collective)."""
 
-    def __init__(self, run_dir: Path, accelerator, trainer, config: dict, keep: int):
+    def __init__(self, run_dir: Path, accelerator, trainer, config: dict, keep: int, model_path: str | None = None):
         _quiet_accelerate()
+        self.model_path = model_path
+        self.weights = lambda version: None  # θ_version as (name, tensor) on rank 0, if at hand (WeightSync.weights)
         self.run_dir = Path(run_dir)
         self.acc = accelerator
         self.trainer = trainer
@@ -168,6 +174,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         self.acc.wait_for_everyone()
         self.trainer.save(tmp)  # every rank
+        weights = self.weights(version)  # every rank (a collective with the nccl backend)
         if main:
             blob = capture(parts)
             (tmp / STATE_FILE).write_bytes(blob)
@@ -175,6 +182,10 @@ class Checkpointer:
             info = {"version": version, "reason": reason, "time": time.time(), "trainer": self.trainer.state_dict(),
                     **(meta or {})}
             (tmp / "meta.json").write_text(json.dumps(info, indent=1))
+            if weights is not None and self.model_path is not None:
+                from pace.validation import save_weights
+
+                save_weights(tmp / "model", weights, self.model_path)
         self.acc.wait_for_everyone()
         if main:
             if path.exists():

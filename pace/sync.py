@@ -48,12 +48,27 @@ class WeightSync:
         else:
             raise ValueError(f"rollout.weight_transfer: unknown backend {self.backend!r}")
         self._update, self._version = None, None
+        self._written: tuple[int, dict] | None = None  # (version, slot info) of the last θ written
 
     def prepare(self, version: int) -> None:
         """shm: every rank materialises θ, rank 0 writes it into a slot (the engines go on with
         the previous weights). nccl: nothing yet (the broadcast needs the engines paused)."""
         self._update = self.engine.write() if self.backend == transfer.BACKEND else None
         self._version = version
+        if self._update is not None:
+            self._written = (version, self._update)
+
+    def weights(self, version: int) -> list | None:
+        """θ_version (the trainer's current weights) as host (name, tensor) pairs in the engine dtype
+        on rank 0, None elsewhere. Every rank calls it. shm: a copy of the slot if it holds
+        θ_version (else None); nccl: streamed from the parameters (all-gathered one at a time)."""
+        if self.backend == transfer.BACKEND:
+            if self._written is None or self._written[0] != version or not self.acc.is_main_process:
+                return None
+            with self._written[1]["lock"]:
+                return transfer.read_slot(self._written[1]["info"])
+        out = [(name, t.to("cpu", copy=True)) for name, t in self.engine.source]  # collective per parameter
+        return out if self.acc.is_main_process else None
 
     def publish(self, version: int) -> None:
         """The engines load θ_version. shm: rank 0 posts the slot to the rollout thread and goes

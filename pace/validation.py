@@ -70,7 +70,10 @@ class BestCheckpoint:
             return False
         if self.best is not None and avg <= self.best["val/avg"]:
             return False
-        if result.weights is None:
+        if result.weights is None and result.version != 0:
+            # the engines received θ by NCCL: no host copy to save (the checkpoints keep model/ dirs)
+            path = None
+        elif result.weights is None:
             path = self.model_path
         else:
             save_weights(self.path, result.weights, self.model_path)

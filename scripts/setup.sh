@@ -23,7 +23,7 @@ case "$stack" in
     $PY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     ;;
   cuda)
-    $PY -m pip install -q -r requirements/cuda.txt
+    $PY -m pip install -q -r requirements.txt  # = requirements/cuda.txt
     ;;
   *)
     echo "setup: PACE_STACK must be auto, cpu or cuda (got '$stack')" >&2; exit 2 ;;

@@ -130,7 +130,8 @@ def build_fleet(model_path: str, cfg, device: str, world_size: int, version: int
 
     mode = engine_mode(cfg.rollout, device, world_size)
     backend = transfer_backend(cfg.rollout, device)
-    placement = engine_gpus(cfg.rollout, world_size) if device == "cuda" and cfg.rollout.placement == "separate" else None
+    local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # trainer processes (GPUs) on this node
+    placement = engine_gpus(cfg.rollout, local_trainers) if device == "cuda" and cfg.rollout.placement == "separate" else None
     llms = [build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed + e, mode, backend,
                          None if placement is None else placement[e])
             for e in range(cfg.rollout.engines)]

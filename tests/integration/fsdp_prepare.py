@@ -1,0 +1,64 @@
+"""`accelerator.prepare` with the FSDP plugin of conf/accelerate/fsdp.yaml on CPU (gloo), on a tiny
+random model of a preset's architecture (its config.json with the sizes shrunk): dense Qwen3 or
+the Qwen3-MoE of the 30B-A3B presets. Run by test_multiprocess.py under `torchrun --nproc_per_node 2`.
+
+Prints, from rank 0, the number of processes and the classes that got their own FSDP unit.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_config(arch: str):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    if arch == "moe":  # Qwen3-30B-A3B's layout: every layer sparse, 128 experts top-8 → 8 experts top-2
+        return Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              decoder_sparse_step=1, norm_topk_prob=True)
+    return Qwen3Config(**common)
+
+
+def plugin_from_yaml(path: Path):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    fsdp = yaml.safe_load(path.read_text())["fsdp_config"]
+    kwargs = {k if k == "fsdp_version" else k.removeprefix("fsdp_"): v for k, v in fsdp.items()}
+    kwargs.pop("cpu_ram_efficient_loading", None)  # a loading mode for hub checkpoints; the model here is built
+    if kwargs.pop("offload_params", False):
+        raise SystemExit("offload_params in the yaml: not what the presets use")
+    return FullyShardedDataParallelPlugin(**kwargs)
+
+
+def main(arch: str) -> None:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    plugin = plugin_from_yaml(ROOT / "conf/accelerate/fsdp.yaml")
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = acc.prepare(model, optimizer)
+    # FSDP2's fully_shard swaps each wrapped module's class for a subclass named FSDP<class>
+    units = sorted({type(m).__name__.removeprefix("FSDP") for m in model.modules() if type(m).__name__.startswith("FSDP")})
+    # one forward/backward and a full-state gather of one parameter, as the weight sync does
+    ids = torch.randint(0, 128, (2, 12))
+    loss = model(input_ids=ids, labels=ids).loss
+    acc.backward(loss)
+    optimizer.step()
+    name, p = next(iter(model.named_parameters()))
+    full = p.full_tensor() if hasattr(p, "full_tensor") else p
+    if acc.is_main_process:
+        print("PREPARED " + json.dumps({"processes": acc.num_processes, "distributed_type": str(acc.distributed_type),
+                                        "units": units, "loss": float(loss), "first": [name, list(full.shape)]}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

