@@ -1,8 +1,12 @@
-"""`accelerator.prepare` with the FSDP plugin of conf/accelerate/fsdp.yaml on CPU (gloo), on a tiny
-random model of a preset's architecture (its config.json with the sizes shrunk): dense Qwen3 or
-the Qwen3-MoE of the 30B-A3B presets. Run by test_multiprocess.py under `torchrun --nproc_per_node 2`.
+"""Accelerate's FSDP2 preparation with the plugin of conf/accelerate/fsdp.yaml on CPU (gloo), on a
+tiny random model of a preset's architecture: dense Qwen3 or the Qwen3-MoE of the 30B-A3B presets.
+Run by test_multiprocess.py under `torchrun --nproc_per_node 2`.
 
-Prints, from rank 0, the number of processes and the classes that got their own FSDP unit.
+`Accelerator.prepare` selects FSDP only on accelerators (Accelerate 1.15 keeps `MULTI_CPU` for a
+CPU run, with DDP), so the model goes through the function `prepare` calls for FSDP2,
+`accelerate.utils.fsdp_utils.fsdp2_prepare_model`, with the yaml's plugin: the auto-wrap policy
+(where `Qwen3DecoderLayer` failed on the MoE model) and `fully_shard` of each unit are Accelerate's
+and torch's own. Prints, from rank 0, the number of processes and the classes sharded as units.
 """
 import json
 import sys
@@ -30,6 +34,8 @@ def plugin_from_yaml(path: Path):
 
     fsdp = yaml.safe_load(path.read_text())["fsdp_config"]
     kwargs = {k if k == "fsdp_version" else k.removeprefix("fsdp_"): v for k, v in fsdp.items()}
+    if "transformer_layer_cls_to_wrap" in kwargs:  # the launcher's name for the plugin's field
+        kwargs["transformer_cls_names_to_wrap"] = kwargs.pop("transformer_layer_cls_to_wrap").split(",")
     kwargs.pop("cpu_ram_efficient_loading", None)  # a loading mode for hub checkpoints; the model here is built
     if kwargs.pop("offload_params", False):
         raise SystemExit("offload_params in the yaml: not what the presets use")
@@ -42,21 +48,24 @@ def main(arch: str) -> None:
 
     torch.manual_seed(0)
     plugin = plugin_from_yaml(ROOT / "conf/accelerate/fsdp.yaml")
-    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    acc = Accelerator(cpu=True)
+    acc.state.fsdp_plugin = plugin
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    model = fsdp2_prepare_model(acc, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, optimizer = acc.prepare(model, optimizer)
     # FSDP2's fully_shard swaps each wrapped module's class for a subclass named FSDP<class>
     units = sorted({type(m).__name__.removeprefix("FSDP") for m in model.modules() if type(m).__name__.startswith("FSDP")})
     # one forward/backward and a full-state gather of one parameter, as the weight sync does
     ids = torch.randint(0, 128, (2, 12))
     loss = model(input_ids=ids, labels=ids).loss
-    acc.backward(loss)
+    loss.backward()
     optimizer.step()
     name, p = next(iter(model.named_parameters()))
     full = p.full_tensor() if hasattr(p, "full_tensor") else p
     if acc.is_main_process:
-        print("PREPARED " + json.dumps({"processes": acc.num_processes, "distributed_type": str(acc.distributed_type),
+        print("PREPARED " + json.dumps({"processes": acc.num_processes, "state_dict_type": str(plugin.state_dict_type),
                                         "units": units, "loss": float(loss), "first": [name, list(full.shape)]}))
 
 
