@@ -120,6 +120,19 @@ def step_metrics(batch, pool, decided, t_wait: float, tools: bool = False) -> di
     }
 
 
+def check_shares(cfg, world: int) -> None:
+    """Every rank needs at least one trajectory of every mini-batch (each joins every gradient
+    all-reduce): the smallest mini-batch (B split into `trainer.mini_batches` as the trainer
+    splits it) must hold at least one trajectory per process."""
+    import math
+
+    b, n_mini, g = cfg.data.batch_prompts, cfg.trainer.mini_batches, cfg.data.group_size
+    smallest = (b - (n_mini - 1) * math.ceil(b / n_mini)) * g
+    if smallest < world:
+        raise UserError(f"data.batch_prompts={b} in trainer.mini_batches={n_mini} leaves {max(smallest, 0)} trajectories "
+                        f"in the last mini-batch, fewer than the {world} trainer processes: lower trainer.mini_batches")
+
+
 def wait_for_batch(pool, rollout, step: int, stop: StopSignal):
     """Block until the pool policy forms batch `step`; re-raise a rollout failure within 0.5 s.
     None once a stop is requested (no batch is formed then)."""
@@ -196,6 +209,7 @@ def run(cfg: DictConfig) -> None:
     # the trainer steps its LR schedule once per optimizer update, whatever the number of processes
     accelerator = Accelerator(cpu=device == "cpu", step_scheduler_with_optimizer=False)
     world = accelerator.num_processes
+    check_shares(cfg, world)
     if cfg.rollout.deterministic and engine_lib.engine_mode(cfg.rollout, device, world) != "inproc":
         raise UserError(f"rollout.deterministic needs the in-process engine, which runs with one trainer process on CPU "
                         f"(here: {world} processes on {device})")
@@ -246,7 +260,7 @@ def run(cfg: DictConfig) -> None:
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:
-            validations = Validations(rollout, best, cfg.eval.k, cfg.trainer.steps)
+            validations = Validations(rollout, best, cfg.eval.val_k or cfg.eval.k, cfg.trainer.steps)
         state = ckpt.load_state(checkpoint) if checkpoint is not None else None
         logger = RunLogger(cfg, run_dir, config, group=default_group(cfg), resume=state and state["logger"])
         parts = ckpt.RunParts(pool, sampler, rollout, grader, logger, validations)

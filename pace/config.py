@@ -87,8 +87,8 @@ class RolloutConfig:
     # or colocate (the engines share rank 0's GPU with the trainer: a single-GPU run).
     placement: str = "separate"
     gpus: Optional[list[int]] = None
-    # vLLM weight-transfer backend: auto (shm on CPU, nccl on GPU) | shm (pace/rollout/transfer.py:
-    # a /dev/shm file, engines on trainer rank 0's host) | nccl (vLLM's)
+    # vLLM weight-transfer backend: auto (shm on CPU; on GPU nccl, or ipc when colocated) | shm
+    # (pace/rollout/transfer.py: a /dev/shm file, engines on trainer rank 0's host) | nccl | ipc (vLLM's)
     weight_transfer: str = "auto"
 
 
@@ -192,6 +192,7 @@ class EvalConfig:
     every: int = 0  # in-training validation every N steps on the rollout engine (0: off)
     at_start: bool = True  # also validate θ_0 (before any update) when every > 0
     val_max_problems: Optional[int] = None  # in-training validation: first N problems of each set (null: all)
+    val_k: Optional[int] = None  # in-training validation: samples per problem (null: k)
     best_within: Optional[int] = None  # best checkpoint among validations of versions <= N (null: all)
 
 
@@ -235,7 +236,7 @@ _CHOICES = {
     "rollout.cpu_threads_bind": ("nobind", "auto"),
     "rollout.engine_process": ("auto", "inproc", "child"),
     "rollout.placement": ("separate", "colocate"),
-    "rollout.weight_transfer": ("auto", "shm", "nccl"),
+    "rollout.weight_transfer": ("auto", "shm", "nccl", "ipc"),
 }
 
 _POSITIVE = (
@@ -305,6 +306,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("eval.max_tokens must be > 0 and < rollout.max_model_len (prompt + response), or null")
     if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens < 1:
         raise ConfigError(f"data.max_prompt_tokens must be >= 1 or null, got {cfg.data.max_prompt_tokens}")
+    if cfg.eval.val_k is not None and cfg.eval.val_k < 1:
+        raise ConfigError(f"eval.val_k must be >= 1 or null (eval.k), got {cfg.eval.val_k}")
     if cfg.reward.max_failed_in_row < 0:
         raise ConfigError(f"reward.max_failed_in_row must be >= 0 (0: never stop), got {cfg.reward.max_failed_in_row}")
     if cfg.rollout.engine_process == "inproc" and cfg.rollout.engines != 1:

@@ -104,8 +104,8 @@ def tool_runner(cfg, tokenizer, on_done=None):
     return ToolRunner(cfg.tools, tokenizer, cfg.rollout.max_tool_calls, on_done=on_done)
 
 
-def sampling_params(cfg, seeded: bool = True):
-    """``n = eval.k`` samples per problem, returned once per problem with all k (FINAL_ONLY).
+def sampling_params(cfg, seeded: bool = True, k: int | None = None):
+    """``n = k`` (default `eval.k`) samples per problem, returned once per problem with all k (FINAL_ONLY).
 
     ``seeded``: a per-request seed (``seed``), for eval.py on a GPU engine of its own. vLLM's CPU
     build fails on seeded requests whenever a step also holds a partially prefilled one ("CPU
@@ -115,7 +115,7 @@ def sampling_params(cfg, seeded: bool = True):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return SamplingParams(n=cfg.eval.k, max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
+    return SamplingParams(n=k or cfg.eval.k, max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
                           temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
                           seed=cfg.seed if seeded else None, output_kind=RequestOutputKind.FINAL_ONLY)
 

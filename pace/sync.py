@@ -15,6 +15,8 @@ a vLLM trainer-side weight-transfer engine. The engines' side is driven by the r
 - ``nccl`` (GPU, vLLM's `NCCLTrainerWeightTransferEngine`, not yet run on a GPU: README): rank 0
   broadcasts each parameter to every engine worker while the rollout thread holds the engines
   in `update_weights`; the trainer waits for the broadcast (and for a validation in progress).
+- ``ipc`` (one GPU shared by trainer and engine, vLLM's `IPCTrainerWeightTransferEngine`, not yet
+  run): the engine opens CUDA IPC handles of the trainer's tensors; the trainer waits likewise.
 """
 from __future__ import annotations
 
@@ -45,6 +47,11 @@ class WeightSync:
             info = NCCLTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port, world_size=1 + workers)
             self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
                 info, client=None if rollout is None else BlockingClient(rollout), source=source)
+        elif self.backend == "ipc":  # colocated: the engine maps the trainer's CUDA tensors (no copy)
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+            self.engine = IPCTrainerWeightTransferEngine.trainer_init(
+                IPCTrainerInitInfo(rank=rank), client=None if rollout is None else BlockingClient(rollout), source=source)
         else:
             raise ValueError(f"rollout.weight_transfer: unknown backend {self.backend!r}")
         self._update, self._version = None, None

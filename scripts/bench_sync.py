@@ -9,8 +9,8 @@ checkout's train.py with its own defaults, e.g. the commit before the weight-tra
 one `train.py` run after the other with identical overrides; it prints, after `--warmup` steps:
 seconds per step, the trainer's share of a sync (`time/sync`: materialise and write θ), the
 engine's share per sync (`rollout/sync_apply_s` over `rollout.syncs`: pause, load, resume), the
-run's wall time (start-up included), and each run's step time against the in-process
-one, then the async/sync step-time ratio of each placement. Measure with nothing else running.
+run's wall time (start-up included), and each run's step time against the first way's
+(`--ways`), then the async/sync step-time ratio of each placement. Measure with nothing else running.
 """
 from __future__ import annotations
 
@@ -45,11 +45,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--base", type=Path, help="another checkout to run the same presets from (its defaults)")
+    ap.add_argument("--ways", nargs="+", default=["base", "inproc", "child"], help="which of base / inproc / child to run")
     ap.add_argument("overrides", nargs="*", help="after --: overrides for every run")
     args = ap.parse_args()
     ways = [("inproc", ROOT, ["rollout.engine_process=inproc"]), ("child", ROOT, ["rollout.engine_process=child"])]
     if args.base is not None:
         ways.insert(0, ("base", args.base.resolve(), []))
+    ways = [w for w in ways if w[0] in args.ways]
     results: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets:
@@ -57,10 +59,10 @@ def main() -> None:
                 print(f"running {preset} ({name}) …", file=sys.stderr, flush=True)
                 results[preset, name] = run(root, preset, args.steps, [*extra, *args.overrides], Path(tmp) / f"{preset}-{name}")
     mean = lambda rows, key: sum(r.get(key, 0.0) for r in rows) / max(len(rows), 1)  # noqa: E731
-    print(f"{'preset':<12} {'engine':<7} {'s/step':>7} {'vs inproc':>9} {'sync trainer s':>14} {'sync engine s':>13} "
+    print(f"{'preset':<12} {'engine':<7} {'s/step':>7} {'vs ' + ways[0][0]:>9} {'sync trainer s':>14} {'sync engine s':>13} "
           f"{'syncs':>5} {'wall s':>7}")
     for preset in args.presets:
-        ref = mean(results[preset, "inproc"]["rows"][args.warmup:], "time/step")
+        ref = mean(results[preset, ways[0][0]]["rows"][args.warmup:], "time/step")
         for name, _, _ in ways:
             r = results[preset, name]
             rows = r["rows"][args.warmup:]

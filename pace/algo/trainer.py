@@ -180,7 +180,7 @@ class DAPOTrainer:
         norm = total_tokens / self.acc.num_processes
         stats = {"loss": 0.0, "clipped": 0.0, "tokens": 0.0, "entropy": 0.0, "ratio": 0.0}
         mb = self.cfg.trainer.micro_batch_size
-        # Every rank has >= 1 trajectory (checked at start), so each joins the gradient all-reduce.
+        # Every rank has >= 1 trajectory (train.check_shares), so each joins the gradient all-reduce.
         chunks = [pairs[i : i + mb] for i in range(0, len(pairs), mb)]
         for i, chunk in enumerate(chunks):
             b = collate([t for _, t in chunk], [p for p, _ in chunk])

@@ -51,8 +51,8 @@ def transfer_backend(rollout_cfg, device: str) -> str:
     from pace.rollout import transfer
 
     backend = rollout_cfg.weight_transfer
-    if backend == "auto":
-        backend = "shm" if device == "cpu" else "nccl"
+    if backend == "auto":  # NCCL cannot pair two processes on one GPU: a colocated engine uses CUDA IPC
+        backend = "shm" if device == "cpu" else "ipc" if rollout_cfg.placement == "colocate" else "nccl"
     return transfer.BACKEND if backend == "shm" else backend
 
 

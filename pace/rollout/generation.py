@@ -114,9 +114,11 @@ class GenerationMixin:
         versions = span_versions(spans)
         if len(versions) != len(traj) - start:
             raise VersionMismatch(f"weight_versions cover {len(versions)} tokens, the turn has {len(traj) - start}")
-        if self.engine.in_process and versions != traj.versions[start:]:
-            raise VersionMismatch(f"weight_versions {[(s.version, s.start, s.end) for s in spans]} disagree with the "
-                                  f"rollout's stamps {traj.versions[start:]}")
+        if self.engine.in_process:
+            if versions != traj.versions[start:]:
+                raise VersionMismatch(f"weight_versions {[(s.version, s.start, s.end) for s in spans]} disagree with "
+                                      f"the rollout's stamps {traj.versions[start:]}")
+            self.stats["versions_checked"] += len(versions)  # tokens whose spans equalled the stamps
         traj.versions[start:] = versions
 
     def _finish_response(self, pending: _Pending, traj: Trajectory) -> None:

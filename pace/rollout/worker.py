@@ -87,7 +87,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
         self._grading: deque = deque()
         self._next_group_id = 0
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
-                      "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0}
+                      "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
+                      "versions_checked": 0}
         # PACE: rescore pooled prefixes after each update (only the pace policy reads PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if cfg.pool.name == "pace" else 0
         self._rescoring = {}

@@ -109,6 +109,9 @@ def test_rollout_records_versions_across_an_update(llm, weights, tiny_model_path
     assert spanning, "every response ended within 5 engine steps: no update landed mid-generation"
     for t in spanning:
         assert t.versions[:5] == [0] * 5 and t.versions[5:] == [1] * (len(t) - 5)
+    # vLLM's own labels (weight_versions, set with each update) equalled these stamps token for token
+    finished = sum(len(t) for t in trajs if t.finish_reason)
+    assert worker.stats["versions_checked"] == finished > 0
     grader.close()
 
 

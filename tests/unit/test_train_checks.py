@@ -1,0 +1,27 @@
+"""Start-up checks of train.py that depend on the number of trainer processes."""
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from pace.config import Config
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("b, n_mini, g, world, ok", [
+    (32, 4, 8, 2, True),    # 8 groups × 8 per mini-batch
+    (4, 3, 8, 1, False),    # 2, 2, 0 groups: the last mini-batch is empty even on one process
+    (5, 2, 1, 4, False),    # 3 + 2 trajectories: the second has fewer than 4 ranks
+    (5, 2, 2, 4, True),     # 6 + 4
+])
+def test_every_rank_gets_a_share_of_every_mini_batch(b, n_mini, g, world, ok):
+    from train import UserError, check_shares
+
+    cfg = OmegaConf.structured(Config)
+    cfg.data.batch_prompts, cfg.trainer.mini_batches, cfg.data.group_size = b, n_mini, g
+    if ok:
+        check_shares(cfg, world)
+    else:
+        with pytest.raises(UserError, match="trainer.mini_batches"):
+            check_shares(cfg, world)
