@@ -62,7 +62,8 @@ def test_two_process_train_run_checkpoint_and_resume(tiny_model_path, tmp_path):
     assert [m["step"] for m in metrics if "train/loss" in m] == [0, 1, 2, 3, 4]
     assert [m["val/version"] for m in metrics if "val/avg" in m] == [0, 3, 5]
     ckpt = tmp_path / "checkpoints" / "step-000003"
-    assert {"run_state.pkl", "random_states_0.pkl", "random_states_1.pkl", "optimizer.bin"} <= {p.name for p in ckpt.iterdir()}
+    assert {"run_state.pkl", "random_states_0.pkl", "random_states_1.pkl", "optimizer.bin", "model"} <= {p.name for p in ckpt.iterdir()}
+    assert (ckpt / "model" / "model.safetensors").exists() and (ckpt / "model" / "config.json").exists()
     first = pd.read_parquet(tmp_path / "groups")
     check_staleness(first)  # versions from vLLM's weight_versions spans (the engine core runs in its own process)
     assert (first.versions_spanned > 1).any()  # updates landed while responses were generated
