@@ -238,8 +238,8 @@ def tensor_meta(named: list[tuple[str, torch.Tensor]]) -> list[ParamMeta]:
 
 class CastSource(WeightSource):
     """The trainer's parameters as the engine loads them: names without wrapper prefixes, each
-    tensor all-gathered if sharded (`full_tensor()`, a collective on every rank) and cast to the
-    engine dtype on the trainer's device before it leaves (no fp32 upcast on the wire)."""
+    cast to the engine dtype on the trainer's device (a sharded DTensor keeps its sharding) and
+    all-gathered if sharded (`full_tensor()`, a collective on every rank): no fp32 on the wire."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         self.model = model
@@ -259,7 +259,8 @@ class CastSource(WeightSource):
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
             for name, p in self._named():
-                yield name, materialize_full_tensor(p.detach()).to(self.dtype)
+                # cast the local shard first: the all-gather moves engine-dtype bytes (bf16, not fp32)
+                yield name, materialize_full_tensor(p.detach().to(self.dtype))
 
 
 def _clean(name: str) -> str:

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
 
 def tiny_config(arch: str):
@@ -53,6 +54,7 @@ def main(arch: str) -> None:
     acc = Accelerator(cpu=True)
     acc.state.fsdp_plugin = plugin
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
+    names = {n: tuple(p.shape) for n, p in model.named_parameters()}  # as the checkpoint (and the engine) names them
     model = fsdp2_prepare_model(acc, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # FSDP2's fully_shard swaps each wrapped module's class for a subclass named FSDP<class>
@@ -64,10 +66,17 @@ def main(arch: str) -> None:
     optimizer.step()
     name, p = next(iter(model.named_parameters()))
     full = p.full_tensor() if hasattr(p, "full_tensor") else p
+    # the weight sync's source over the sharded model: every parameter, full shape, engine dtype
+    from pace.rollout.transfer import CastSource
+
+    sent = {n: (tuple(t.shape), str(t.dtype), type(t).__name__) for n, t in CastSource(model, torch.bfloat16)}
+    source_ok = sent == {n: (shape, "torch.bfloat16", "Tensor") for n, shape in names.items()}
     if acc.is_main_process:
         print("PREPARED " + json.dumps({"processes": acc.num_processes, "state_dict_type": str(plugin.state_dict_type),
-                                        "units": units, "loss": float(loss), "first": [name, list(full.shape)]}))
+                                        "units": units, "loss": float(loss), "first": [name, list(full.shape)],
+                                        "sharded": type(p).__name__, "source_ok": source_ok, "arch": arch}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    for arch in sys.argv[1:]:  # one launch for several architectures (each prepared on its own)
+        main(arch)
