@@ -24,8 +24,11 @@ def torchrun(n: int) -> list[str]:
 
 
 def _steps(n: int, model: str) -> list[dict]:
-    proc = subprocess.run([*torchrun(n), str(ROOT / "tests/integration/ddp_step.py"), model],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cmd = [*torchrun(n), str(ROOT / "tests/integration/ddp_step.py"), model]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:  # one failed launch seen once in a full fresh-clone run (cause not found): say it, try again
+        print(f"torchrun ({n} processes) failed once, relaunching:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert f"PROCESSES {n} {n}" in lines, proc.stdout[-2000:]
