@@ -36,9 +36,8 @@ class WeightSync:
         source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype))
         rank = self.acc.process_index
         if self.backend == transfer.BACKEND:
-            run_id = _shared_token(self.acc)
-            self.engine = transfer.ShmTrainerWeightTransferEngine.trainer_init(
-                transfer.ShmTrainerInitInfo(rank=rank, directory=_shm_dir(), run_id=run_id), client=rollout, source=source)
+            info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
+            self.engine = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
         elif self.backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
@@ -120,10 +119,6 @@ class BlockingClient:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run(lambda: self.rollout.end_update(self.version))
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
 def _shared_token(acc) -> str:

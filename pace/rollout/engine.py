@@ -9,6 +9,7 @@ on the others. Weights reach them through vLLM's weight-transfer API (pace/rollo
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 
@@ -66,6 +67,26 @@ def engine_gpus(rollout_cfg, trainer_gpus: int) -> list[list[int]]:
     return [ids[e * tp : (e + 1) * tp] for e in range(n)]
 
 
+@contextlib.contextmanager
+def _engine_process_env(mode: str, gpus: list[int] | None):
+    """While a child engine process starts: without the launcher's variables, with its GPUs."""
+    if mode != "child":
+        yield
+        return
+    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+    if gpus is not None:
+        saved["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str = "inproc", backend: str | None = "auto",
                  gpus: list[int] | None = None):
     """One vLLM engine (`LLM`). ``mode`` places its core; ``backend`` enables vLLM's weight
@@ -76,10 +97,6 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str 
     if backend == "auto":
         backend = transfer_backend(rollout_cfg, "cuda" if torch.cuda.is_available() else "cpu")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "child" else "0"
-    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ} if mode == "child" else {}
-    if gpus is not None and mode == "child":
-        saved["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -87,7 +104,7 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str 
     if backend is not None:
         extra = dict(weight_transfer_config=WeightTransferConfig(backend=backend),
                      worker_extension_cls="pace.rollout.transfer.WorkerExtension")
-    try:
+    with _engine_process_env(mode, gpus):
         llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -109,12 +126,6 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str 
             logprobs_mode="processed_logprobs",
             **extra,
         )
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     # Two warnings that repeat and mean nothing here: every in-place reload says rotary embeddings
     # (a cache buffer, no checkpoint weights) loaded nothing, and vLLM's CPU worker says it ignores
     # torch.set_num_threads (it replaced the function). vLLM configures its loggers while building
@@ -144,25 +155,22 @@ def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None
     """Load (name, tensor) pairs into an idle in-process engine through the same weight-transfer
     calls as a run's sync (a one-off shared-memory slot), and free its cached prefixes (tests,
     tools; a run's rollout thread goes through `RolloutWorker.post_update`)."""
-    import tempfile
     from dataclasses import asdict
 
     from pace.rollout import transfer
+    from pace.rollout.fleet import EngineFleet
 
     named = list(named_tensors)
-    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    path = os.path.join(directory, f"pace-weights-load-{os.getpid()}.bin")
+    path = os.path.join(transfer.shm_dir(), f"pace-weights-load-{os.getpid()}.bin")
+    fleet = EngineFleet([llm])
     try:
         info = transfer.write_slot(path, transfer.tensor_meta(named), iter(named))
-        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {"directory": directory}})
-        llm.collective_rpc("start_weight_update")
-        llm.collective_rpc("update_weights", kwargs={"update_info": asdict(info)})
-        llm.collective_rpc("finish_weight_update")
+        fleet.init_weight_transfer_engine({"directory": transfer.shm_dir()})
+        fleet.update(None, asdict(info))
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    if not llm.llm_engine.has_unfinished_requests():
-        llm.llm_engine.reset_prefix_cache()
+    fleet.reset_prefix_cache_if_idle()
 
 
 SCORING_PRIORITY = -1  # lower runs first (vLLM priority scheduling); generation uses 0

@@ -96,9 +96,10 @@ class EngineFleet:
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.collective_rpc("init_weight_transfer_engine", {"init_info": init_info})
 
-    def update(self, version: int, update_info: dict) -> float:
+    def update(self, version: int | None, update_info: dict) -> float:
         """Load one weight update into every engine; its tokens from here on are labelled
-        ``version``. Returns the seconds it took (out-of-process engines are paused meanwhile)."""
+        ``version`` (None: the label stays). Returns the seconds it took (out-of-process engines
+        are paused meanwhile)."""
         t0 = time.perf_counter()
         self.begin_update()
         try:
@@ -122,10 +123,11 @@ class EngineFleet:
     def load(self, update_info: dict) -> None:
         self.collective_rpc("update_weights", {"update_info": update_info})
 
-    def end_update(self, version: int) -> None:
+    def end_update(self, version: int | None) -> None:
         try:
             self.collective_rpc("finish_weight_update")
-            self.set_version(version)
+            if version is not None:
+                self.set_version(version)
         finally:
             self._resume()
 

@@ -134,7 +134,7 @@ class WorkerExtension:
 @dataclass
 class ShmTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = BACKEND
-    directory: str = field(default="/dev/shm")
+    directory: str = field(default_factory=lambda: shm_dir())
     run_id: str = field(default="")
 
 
@@ -190,6 +190,13 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+
+
+def shm_dir() -> str:
+    """Where the slots live: /dev/shm (memory), else the temporary directory."""
+    import tempfile
+
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def write_slot(path: str, meta: list[ParamMeta], tensors) -> ShmUpdateInfo:

@@ -37,7 +37,8 @@ class ValidationMixin:
 
         every = self.cfg.eval.every
         self._val_next = (v // every + 1) * every
-        run = evaluation.EvalRun(self.val_sets, evaluation.sampling_params(self.cfg, seeded=False, k=self.cfg.eval.val_k), self.grader,
+        params = evaluation.sampling_params(self.cfg, seeded=False, k=self.cfg.eval.val_k)
+        run = evaluation.EvalRun(self.val_sets, params, self.grader,
                                  prefix=f"v{v}", answer_timeout_s=self.cfg.reward.timeout_s / self.group_size,
                                  tools=evaluation.tool_runner(self.cfg, self.tokenizer, on_done=self._wake.set))
         run.submit(self.engine, priority=engine_lib.VALIDATION_PRIORITY, salt=engine_lib.cache_salt(v))

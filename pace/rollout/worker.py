@@ -25,6 +25,7 @@ import traceback
 from collections import deque
 
 from pace.pool import Pool
+from pace.rollout import transfer
 from pace.rollout.fleet import EngineFleet
 from pace.rollout.generation import GenerationMixin
 from pace.rollout.rescoring import RescoringMixin
@@ -117,17 +118,13 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
     def post_weights(self, version: int, named_tensors: list) -> None:
         """`post_update` for (name, tensor) pairs at hand (tests, tools): written to this worker's
         own shared-memory slot, loaded through the same weight-transfer calls."""
-        from pace.rollout import transfer
-
-        if not self._transfer_ready:
-            self.init_weight_transfer_engine({"directory": "/dev/shm"})
-        self._own_slot = self._own_slot or f"/dev/shm/pace-weights-post-{os.getpid()}-{id(self)}.bin"
-        lock = threading.Lock()
-        with lock:
-            info = transfer.write_slot(self._own_slot, transfer.tensor_meta(named_tensors), iter(named_tensors))
         from dataclasses import asdict
 
-        self.post_update(version, {"info": asdict(info), "lock": lock})
+        if not self._transfer_ready:
+            self.init_weight_transfer_engine({"directory": transfer.shm_dir()})
+        self._own_slot = self._own_slot or os.path.join(transfer.shm_dir(), f"pace-weights-post-{os.getpid()}-{id(self)}.bin")
+        info = transfer.write_slot(self._own_slot, transfer.tensor_meta(named_tensors), iter(named_tensors))
+        self.post_update(version, {"info": asdict(info), "lock": threading.Lock()})
 
     def call(self, fn):
         """Run ``fn`` on this thread between engine steps (not during a validation); a Future."""
@@ -295,29 +292,24 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
         if update is None:
             return False
         version, payload = update
-        from pace.rollout import transfer
-
         with payload["lock"]:  # the trainer does not rewrite this slot meanwhile
-            t0 = time.perf_counter()
-            self.begin_update()
-            try:
-                self.engine.load(payload["info"])
-            except BaseException:
-                self.engine._resume()
-                raise
-            self.end_update(version, weights=lambda: transfer.read_slot(payload["info"]), t0=t0)
+            self._cancel_rescoring()
+            self.stats["sync_s"] += self.engine.update(version, payload["info"])
+            self._updated(version, weights=lambda: transfer.read_slot(payload["info"]))
         return True
 
+    # BlockingClient (nccl, ipc): the update in two halves, the trainer's broadcast between them
     def begin_update(self) -> None:
         """Before new weights load (this thread): pending scores are dropped, the engines paused."""
         self._cancel_rescoring()
         self.engine.begin_update()
 
-    def end_update(self, version: int, weights=None, t0: float | None = None) -> None:
-        """After the weights of ``version`` loaded: label, resume, rescore, validate if due."""
+    def end_update(self, version: int) -> None:
         self.engine.end_update(version)
-        if t0 is not None:
-            self.stats["sync_s"] += time.perf_counter() - t0
+        self._updated(version, weights=None)
+
+    def _updated(self, version: int, weights) -> None:
+        """After the weights of ``version`` loaded and were labelled: rescore, validate if due."""
         self.stats["syncs"] += 1
         self.engine_version = version
         if self.engine.in_process:
