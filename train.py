@@ -375,6 +375,8 @@ def run(cfg: DictConfig) -> None:
                 sync.close()
             pool.check_accounting()
             print(f"{status}: {trainer.version} steps, fates {counts}, logs in {run_dir}", file=sys.stderr)
+    if world > 1:  # the process group's threads stop before the interpreter does (a gloo exit can abort otherwise)
+        accelerator.end_training()
     if stop.requested:
         if saved is not None:
             print(f"resume with: python train.py resume={run_dir}", file=sys.stderr)

@@ -46,3 +46,5 @@ def main(model_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    if torch.distributed.is_initialized():  # gloo's threads must stop before the interpreter does (else SIGABRT at exit)
+        torch.distributed.destroy_process_group()

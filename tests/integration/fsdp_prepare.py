@@ -80,3 +80,5 @@ def main(arch: str) -> None:
 if __name__ == "__main__":
     for arch in sys.argv[1:]:  # one launch for several architectures (each prepared on its own)
         main(arch)
+    if torch.distributed.is_initialized():  # gloo's threads must stop before the interpreter does
+        torch.distributed.destroy_process_group()
