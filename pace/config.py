@@ -27,6 +27,7 @@ class ModelConfig:
     path: Optional[str] = None
     dtype: str = "float32"  # trainer and engine dtype: float32 | bfloat16 | float16
     gradient_checkpointing: bool = False
+    attn_implementation: Optional[str] = None  # transformers' choice when null (sdpa); flash_attention_2 for varlen packing
     cache_dir: str = "data/cache"  # where built assets (tiny model) are cached
     tiny: TinySpec = field(default_factory=TinySpec)  # used when path is null
 
@@ -160,7 +161,19 @@ class TrainerConfig:
     warmup_steps: int = 10  # linear warm-up: Adam's first steps are sign-like and large
     grad_clip: float = 1.0
     mini_batches: int = 1  # optimizer updates per training step
-    micro_batch_size: int = 64  # sequences per forward/backward
+    micro_batch_size: int = 64  # sequences per forward/backward (when max_tokens_per_micro_batch is null)
+    # Micro-batches by token count instead (pace/algo/microbatch.py): each costs at most this many
+    # tokens (Σ lengths packed, rows × longest padded), balanced across ranks. null: by count.
+    max_tokens_per_micro_batch: Optional[int] = None
+    packing: bool = False  # a micro-batch's sequences in one row, no padding (position_ids; varlen attention)
+    # Response positions per chunk of the log-prob/entropy computation (pace/algo/logprobs.py); peak
+    # memory ~12 bytes × vocabulary × chunk. null: the full-vocabulary reference path (all positions at once).
+    logprob_chunk: Optional[int] = 1024
+    grad_sync: str = "auto"  # auto (FSDP: every micro-batch; DDP: last) | every | last (no_sync before)
+    # With Accelerate mixed precision (bf16 on GPUs): parameters/AdamW state dtype, and FSDP2's
+    # gradient reduce-scatter dtype. Ignored without mixed precision (CPU: model.dtype throughout).
+    master_dtype: str = "float32"
+    reduce_dtype: str = "float32"
     cpu_threads: int = 1  # torch intra-op threads of the trainer on CPU
     # Checkpoint every N steps and after the last (0: only when stopped by SIGTERM/SIGINT or a
     # failure); <run>/checkpoints/step-N, the newest `keep_checkpoints` kept. See pace/checkpoint.py.
@@ -237,6 +250,9 @@ _CHOICES = {
     "rollout.engine_process": ("auto", "inproc", "child"),
     "rollout.placement": ("separate", "colocate"),
     "rollout.weight_transfer": ("auto", "shm", "nccl", "ipc"),
+    "trainer.grad_sync": ("auto", "every", "last"),
+    "trainer.master_dtype": ("float32", "bfloat16"),
+    "trainer.reduce_dtype": ("float32", "bfloat16"),
 }
 
 _POSITIVE = (
@@ -257,6 +273,11 @@ def validate(cfg: DictConfig) -> None:
     for key in _POSITIVE:
         if not OmegaConf.select(cfg, key) > 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    for key in ("trainer.max_tokens_per_micro_batch", "trainer.logprob_chunk"):
+        if OmegaConf.select(cfg, key) is not None and OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"{key} must be >= 1 or null, got {OmegaConf.select(cfg, key)}")
+    if cfg.trainer.packing and cfg.trainer.max_tokens_per_micro_batch is None:
+        raise ConfigError("trainer.packing packs by a token budget: set trainer.max_tokens_per_micro_batch")
     if cfg.data.group_size < 2:
         raise ConfigError(f"data.group_size={cfg.data.group_size}: group-normalised advantages need G >= 2")
     if not 0 <= cfg.rollout.overlong_buffer < cfg.rollout.max_tokens:

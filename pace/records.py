@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from pace import staleness
 
 
@@ -25,9 +27,17 @@ class Fate(str, Enum):
     DROPPED_SHUTDOWN = "dropped_shutdown"
 
 
-@dataclass
+# One response token as stored: 13 bytes (id, behaviour log-prob ℓ^μ_t, version v_t, action flag).
+TOKEN = np.dtype([("id", np.int32), ("logprob", np.float32), ("version", np.int32), ("action", np.bool_)])
+
+
 class Trajectory:
     """One response. ``logprobs[t]`` is ℓ^μ_t and ``versions[t]`` is v_t of response token t.
+
+    The per-token record is one NumPy structured array (`TOKEN`, 13 bytes a token, where Python
+    lists took ~100), grown in chunks as the engine streams tokens (`extend`, amortised doubling)
+    and trimmed to its length when the response finishes (`finish`). ``response_ids``,
+    ``logprobs``, ``versions`` and ``action_mask`` are views of it (writable).
 
     In a multi-turn tool rollout the response also holds tool-output tokens: context the policy
     did not choose. ``action_mask[t]`` is False for those (their log-prob and version entries are
@@ -35,40 +45,101 @@ class Trajectory:
     (DESIGN §2 averages over model-generated tokens). None: every token is an action.
     """
 
-    response_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    completed_at: int  # c(τ): trainer version when the last token was produced
-    finish_reason: str  # "stop" (EOS) or "length" (hit rollout.max_tokens)
-    text: str = ""
-    correct: bool = False
-    reward: float = 0.0  # ±1 correctness plus overlong shaping
-    advantage: float = 0.0
-    action_mask: list[bool] | None = None
-    tool_calls: int = 0  # multi-turn: programs run for this response
-    tool_errors: int = 0  # of which did not succeed (error, timeout, killed, no program)
+    __slots__ = ("_tok", "_n", "_masked", "completed_at", "finish_reason", "correct", "reward", "advantage",
+                 "tool_calls", "tool_errors")
 
+    def __init__(self, response_ids=(), logprobs=(), versions=(), completed_at: int = -1, finish_reason: str = "",
+                 correct: bool = False, reward: float = 0.0, advantage: float = 0.0, action_mask=None,
+                 tool_calls: int = 0, tool_errors: int = 0):
+        n = len(response_ids)
+        if len(logprobs) != n or len(versions) != n or (action_mask is not None and len(action_mask) != n):
+            raise ValueError(f"a trajectory needs one log-prob, version (and action flag) per token: {n} tokens, "
+                             f"{len(logprobs)} log-probs, {len(versions)} versions")
+        self._tok = np.empty(n, dtype=TOKEN)
+        self._n = n
+        self._masked = action_mask is not None
+        self._tok["id"], self._tok["logprob"], self._tok["version"] = response_ids, logprobs, versions
+        self._tok["action"] = True if action_mask is None else action_mask
+        self.completed_at = completed_at  # c(τ): trainer version when the last token was produced
+        self.finish_reason = finish_reason  # "stop" (EOS) or "length" (hit rollout.max_tokens)
+        self.correct = correct
+        self.reward = reward  # ±1 correctness plus overlong shaping
+        self.advantage = advantage
+        self.tool_calls = tool_calls  # multi-turn: programs run for this response
+        self.tool_errors = tool_errors  # of which did not succeed (error, timeout, killed, no program)
+
+    # --- growth (the rollout thread) ----------------------------------------------------------
+    def extend(self, ids, logprobs, version, action: bool = True) -> None:
+        """Append tokens: their ids, ℓ^μ and one version for all (or one per token)."""
+        k = len(ids)
+        if k == 0:
+            return
+        n = self._n
+        if n + k > len(self._tok):
+            grown = np.empty(max(16, 2 * len(self._tok), n + k), dtype=TOKEN)
+            grown[:n] = self._tok[:n]
+            self._tok = grown
+        new = self._tok[n : n + k]
+        new["id"], new["logprob"], new["version"], new["action"] = ids, logprobs, version, action
+        self._masked = self._masked or not action
+        self._n = n + k
+
+    def finish(self) -> None:
+        """Drop the spare capacity of growth (a finished response does not grow)."""
+        if len(self._tok) != self._n:
+            self._tok = self._tok[: self._n].copy()
+
+    # --- per-token views ----------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.response_ids)
+        return self._n
+
+    @property
+    def response_ids(self) -> np.ndarray:
+        return self._tok["id"][: self._n]
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return self._tok["logprob"][: self._n]
+
+    @property
+    def versions(self) -> np.ndarray:
+        return self._tok["version"][: self._n]
+
+    @property
+    def action_mask(self) -> np.ndarray | None:
+        return self._tok["action"][: self._n] if self._masked else None
 
     @property
     def num_actions(self) -> int:
         """Model-generated tokens (the loss's token count)."""
-        return len(self.response_ids) if self.action_mask is None else sum(self.action_mask)
+        return self._n if not self._masked else int(self.action_mask.sum())
 
     @property
-    def action_ids(self) -> list[int]:
+    def action_ids(self) -> np.ndarray:
         """The model-generated tokens (what a multi-turn response is graded on)."""
-        if self.action_mask is None:
-            return self.response_ids
-        return [t for t, a in zip(self.response_ids, self.action_mask) if a]
+        return self.response_ids if not self._masked else self.response_ids[self.action_mask]
 
     @property
-    def action_versions(self) -> list[int]:
+    def action_versions(self) -> np.ndarray:
         """v_t of the model-generated tokens (what the staleness averages run over)."""
-        if self.action_mask is None:
-            return self.versions
-        return [v for v, a in zip(self.versions, self.action_mask) if a]
+        return self.versions if not self._masked else self.versions[self.action_mask]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the per-token record (capacity included)."""
+        return self._tok.nbytes
+
+    # --- pickling (checkpoints, the trainer's scatter): the record without spare capacity -----
+    def __getstate__(self):
+        return {name: getattr(self, name) for name in self.__slots__} | {"_tok": self._tok[: self._n]}
+
+    def __setstate__(self, state) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def __repr__(self) -> str:
+        return (f"Trajectory({self._n} tokens, versions {self.versions[:1].tolist()}..{self.versions[-1:].tolist()}, "
+                f"completed_at={self.completed_at}, finish_reason={self.finish_reason!r}, reward={self.reward})")
 
 
 @dataclass

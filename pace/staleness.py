@@ -18,24 +18,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 
-def _check(versions: Sequence[int]) -> None:
-    if len(versions) == 0:
+
+def _ints(versions: Sequence[int]) -> np.ndarray:
+    """The versions as int64 (sums of integers stay exact), checked non-empty."""
+    v = np.asarray(versions, dtype=np.int64)
+    if v.size == 0:
         raise ValueError("staleness of an empty response is undefined")
+    return v
 
 
 def policy_lag(versions: Sequence[int], step: int) -> float:
     """K(τ; j) = mean_t (j − v_t)."""
-    _check(versions)
-    return (step * len(versions) - sum(versions)) / len(versions)
+    v = _ints(versions)
+    return int(step * v.size - v.sum()) / v.size
 
 
 def generation_staleness(versions: Sequence[int], completed_at: int) -> float:
     """K_gen(τ) = mean_t (c − v_t); ≥ 0 because no token is newer than its completion."""
-    _check(versions)
-    if max(versions) > completed_at:
-        raise ValueError(f"token version {max(versions)} is newer than completion version {completed_at}")
-    return (completed_at * len(versions) - sum(versions)) / len(versions)
+    v = _ints(versions)
+    if v.max() > completed_at:
+        raise ValueError(f"token version {v.max()} is newer than completion version {completed_at}")
+    return int(completed_at * v.size - v.sum()) / v.size
 
 
 def waiting_staleness(completed_at: int, step: int) -> int:
@@ -56,10 +61,10 @@ def group_staleness(
     n = 0
     lag = gen = wait = 0
     for vs, c in zip(versions, completed_at):
-        _check(vs)
-        if max(vs) > c:
-            raise ValueError(f"token version {max(vs)} is newer than completion version {c}")
-        s, m = sum(vs), len(vs)
+        v = _ints(vs)
+        if v.max() > c:
+            raise ValueError(f"token version {v.max()} is newer than completion version {c}")
+        s, m = int(v.sum()), v.size
         n += m
         lag += step * m - s
         gen += c * m - s
@@ -69,8 +74,8 @@ def group_staleness(
 
 def versions_spanned(versions: Sequence[int]) -> int:
     """How many weight versions produced tokens of one response (1 = no update mid-generation)."""
-    _check(versions)
-    return max(versions) - min(versions) + 1
+    v = _ints(versions)
+    return int(v.max() - v.min()) + 1
 
 
 def version_spans(versions: Sequence[int]) -> list[int]:
@@ -78,10 +83,9 @@ def version_spans(versions: Sequence[int]) -> list[int]:
     n_i consecutive tokens produced by version v_i (versions never go back within a response, so
     a span per weight version it saw). Logged per response, so staleness can be recomputed from
     the run's records alone."""
-    out: list[int] = []
-    for v in versions:
-        if out and out[-2] == v:
-            out[-1] += 1
-        else:
-            out += [v, 1]
-    return out
+    v = np.asarray(versions, dtype=np.int64)
+    if v.size == 0:
+        return []
+    starts = np.concatenate(([0], np.flatnonzero(v[1:] != v[:-1]) + 1))
+    counts = np.diff(np.append(starts, v.size))
+    return np.stack([v[starts], counts], axis=1).reshape(-1).tolist()

@@ -1,10 +1,17 @@
-"""DAPO trainer on Accelerate (single process on CPU; FSDP with `accelerate launch` on GPUs).
+"""DAPO trainer on Accelerate (single process on CPU; FSDP2 with `accelerate launch` on GPUs).
 
 One training step = one batch of B groups = `trainer.mini_batches` optimizer updates; the policy
-version increments once per step. The batch is formed on rank 0 and scattered: every rank gets a
-contiguous share of trajectories, and the loss is normalised by the token count of the whole
-mini-batch across ranks (token-level loss, DESIGN §4), so the result does not depend on the
-number of ranks or micro-batches.
+version increments once per step. The batch is formed on rank 0, which also plans every rank's
+micro-batches (pace/algo/microbatch.py: by count, or by a token budget) and scatters them: every
+rank gets its share. The loss is normalised by the token count of the whole mini-batch across
+ranks (token-level loss, DESIGN §4), so the result does not depend on the number of ranks or
+micro-batches.
+
+Memory per micro-batch is set by `trainer.logprob_chunk`: the log-probs of the response tokens
+are taken from the final hidden states, a chunk of positions at a time, recomputed in backward
+(pace/algo/logprobs.py); no full-vocabulary logits of a whole micro-batch exist. Gradients are
+reduced after every micro-batch under FSDP (reduce-scatter into sharded gradients, in
+`trainer.reduce_dtype`), and only after the last one under DDP (`trainer.grad_sync`).
 
 An update whose gradient norm or loss is not finite is skipped (no optimizer or LR-schedule step)
 and counted (`train/nonfinite_skipped`); the version still advances, with unchanged weights.
@@ -16,24 +23,15 @@ import math
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
+from pace.algo import microbatch
+from pace.algo.logprobs import response_logprobs
 from pace.algo.loss import LossOut, dapo_loss, decoupled_loss, m2po_loss
 from pace.records import Batch, Trajectory
 
-
-def _pad(seqs: list[list], value, dtype) -> torch.Tensor:
-    width = max(len(s) for s in seqs)
-    return torch.tensor([list(s) + [value] * (width - len(s)) for s in seqs], dtype=dtype)
-
-
-def _pad_like(template: torch.Tensor, rows: list[tuple[int, list[float]]]) -> torch.Tensor:
-    """A tensor shaped like ``template`` with each row's values written from its start offset."""
-    out = torch.zeros_like(template)
-    for i, (start, values) in enumerate(rows):
-        out[i, start : start + len(values)] = torch.tensor(values, dtype=template.dtype)
-    return out
+Pair = tuple[list[int], Trajectory]  # (prompt ids, response)
 
 
 def build_loss(algo) -> Callable[[torch.Tensor, dict, float], LossOut]:
@@ -48,41 +46,47 @@ def build_loss(algo) -> Callable[[torch.Tensor, dict, float], LossOut]:
     return lambda logp, b, n: dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n, **clip)
 
 
-def collate(trajs: list[Trajectory], prompts: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+response ids; per-position targets aligned to the next-token logits.
+def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = False) -> dict[str, torch.Tensor]:
+    """Model inputs for one micro-batch, and flat per-response-token tensors [T] (T = Σ responses).
 
-    Position p of the logits predicts token p+1, so response token t (at absolute position
-    len(prompt)+t) is scored by logits at len(prompt)+t−1. All per-token tensors are [N, L−1].
+    Right-padded rows (``input_ids``, ``attention_mask`` [R, L]), or with ``packed`` one row of the
+    sequences end to end with ``position_ids`` restarting at each (no padding; transformers then
+    masks attention within each sequence: varlen flash-attention, or a block mask for SDPA).
+    Position p predicts token p+1, so response token t of a sequence with prompt length n_p is
+    scored by the hidden state at n_p − 1 + t: ``index`` holds those positions in the flattened
+    [R·L] layout. ``targets``, ``loss_mask`` (the action mask), ``logp_behavior`` and
+    ``advantages`` are aligned with ``index``; ``pad_tokens``/``slots`` count the padding.
     """
-    ids, mask, lp_b, adv = [], [], [], []
-    for traj, prompt in zip(trajs, prompts):
-        full = prompt + traj.response_ids
-        n_p, n_r = len(prompt), len(traj.response_ids)
-        ids.append(full)
-        actions = [1] * n_r if traj.action_mask is None else [int(a) for a in traj.action_mask]
-        mask.append([0] * (n_p - 1) + actions)  # tool-output tokens are context, not actions
-        lp_b.append([0.0] * (n_p - 1) + list(traj.logprobs))
-        adv.append([traj.advantage] * (n_p - 1 + n_r))
-    input_ids = _pad(ids, 0, torch.long)
-    attention = _pad([[1] * len(s) for s in ids], 0, torch.long)
+    seqs = [np.concatenate([np.asarray(p, dtype=np.int64), t.response_ids.astype(np.int64)]) for p, t in zip(prompts, trajs)]
+    lengths = np.array([len(s) for s in seqs])
+    n_prompt = np.array([len(p) for p in prompts])
+    n_resp = np.array([len(t) for t in trajs])
+    if packed:
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        input_ids = np.concatenate(seqs)[None]
+        model_inputs = {"position_ids": torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])[None])}
+    else:
+        width = int(lengths.max())
+        starts = np.arange(len(seqs)) * width
+        input_ids = np.zeros((len(seqs), width), dtype=np.int64)
+        attention = np.zeros((len(seqs), width), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            input_ids[i, : len(s)] = s
+            attention[i, : len(s)] = 1
+        model_inputs = {"attention_mask": torch.from_numpy(attention)}
+    index = np.concatenate([start + n_p - 1 + np.arange(n_r) for start, n_p, n_r in zip(starts, n_prompt, n_resp)])
+    mask = np.concatenate([np.ones(len(t), dtype=bool) if t.action_mask is None else t.action_mask for t in trajs])
     return {
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "targets": input_ids[:, 1:],
-        "loss_mask": _pad(mask, 0, torch.float32),
-        "logp_behavior": _pad(lp_b, 0.0, torch.float32),
-        "advantages": _pad(adv, 0.0, torch.float32),
+        "input_ids": torch.from_numpy(input_ids),
+        **model_inputs,
+        "index": torch.from_numpy(index),
+        "targets": torch.from_numpy(np.concatenate([t.response_ids for t in trajs]).astype(np.int64)),
+        "loss_mask": torch.from_numpy(mask.astype(np.float32)),
+        "logp_behavior": torch.from_numpy(np.concatenate([t.logprobs for t in trajs]).astype(np.float32)),
+        "advantages": torch.from_numpy(np.repeat(np.array([t.advantage for t in trajs], dtype=np.float32), n_resp)),
+        "pad_tokens": torch.tensor(float(input_ids.size - lengths.sum())),
+        "slots": torch.tensor(float(input_ids.size)),
     }
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target and the entropy of each position's distribution (float32)."""
-    logits = logits.float() / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
 
 
 class DAPOTrainer:
@@ -91,11 +95,25 @@ class DAPOTrainer:
 
         self.cfg = cfg
         self.acc = accelerator
-        dtype = getattr(torch, cfg.model.dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        t = cfg.trainer
+        compute = getattr(torch, cfg.model.dtype)
+        # With Accelerate's mixed precision (GPU presets: bf16) the parameters, gradients and AdamW
+        # state are kept in `trainer.master_dtype` and the forward runs in `model.dtype` (FSDP2's
+        # MixedPrecisionPolicy, or autocast under DDP): bf16 weights would round away updates of
+        # lr 1e-6. Without it the model is trained in `model.dtype` (the CPU runs: float32).
+        mixed = accelerator.mixed_precision in ("bf16", "fp16")
+        dtype = getattr(torch, t.master_dtype) if mixed else compute
+        if accelerator.is_fsdp2 and mixed:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+                param_dtype=compute, reduce_dtype=getattr(torch, t.reduce_dtype))
+        kwargs = {} if cfg.model.attn_implementation is None else {"attn_implementation": cfg.model.attn_implementation}
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
+        if getattr(model.config, "final_logit_softcapping", None):
+            raise ValueError(f"{model_path}: final_logit_softcapping is not applied by the trainer's log-prob path")
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        t = cfg.trainer
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         warmup = max(1, t.warmup_steps * t.mini_batches)
         # Not given to `prepare`: Accelerate's wrapper steps a schedule once per process per update
@@ -104,8 +122,13 @@ class DAPOTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup))
         accelerator.register_for_checkpointing(self.scheduler)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        unwrapped = accelerator.unwrap_model(self.model)
+        self._decoder, self._head = unwrapped.get_decoder(), unwrapped.get_output_embeddings()
         self.loss_fn = build_loss(cfg.algo)  # chosen once, from config
         self.proximal = cfg.algo.ratio_ref == "proximal"
+        # FSDP: reduce-scatter after every micro-batch (sharded gradients; `no_sync` would keep an
+        # unsharded one per GPU). DDP: all-reduce once, after the last (its gradients are full anyway).
+        self.sync_every = t.grad_sync == "every" or (t.grad_sync == "auto" and accelerator.is_fsdp2)
         self.version = 0
         self.nonfinite_skipped = 0  # updates skipped for a non-finite loss or gradient, over the run
         # True from the first optimizer update of a step until the step completes: a failure then
@@ -115,14 +138,15 @@ class DAPOTrainer:
     # --- one training step ----------------------------------------------------------------
     def step(self, batch: Batch | None) -> dict[str, float]:
         """Train on ``batch`` (given on rank 0, None elsewhere). Returns rank-0 metrics."""
-        shares = self._scatter(batch)  # this rank's (prompt, trajectory) pairs of each mini-batch
+        plans = self._scatter(batch)  # per mini-batch, this rank's micro-batches of (prompt, trajectory) pairs
         t0 = time.perf_counter()
         n_mini = self.cfg.trainer.mini_batches
-        prox = self._proximal_logprobs([pair for share in shares for pair in share]) if self.proximal else None
+        prox = self._proximal_logprobs(plans) if self.proximal else None
         self.model.train()
-        totals = dict.fromkeys(("loss", "clipped", "tokens", "entropy", "ratio", "grad_norm", "skipped"), 0.0)
-        for mine in shares:
-            stats = self._update(mine, prox)
+        keys = ("loss", "clipped", "tokens", "entropy", "ratio", "grad_norm", "skipped", "pad_tokens", "slots", "micro_batches")
+        totals = dict.fromkeys(keys, 0.0)
+        for micro_batches in plans:
+            stats = self._update(micro_batches, prox)
             for k in totals:
                 totals[k] += stats[k]
         self.version += 1
@@ -136,69 +160,90 @@ class DAPOTrainer:
             "train/grad_norm": totals["grad_norm"] / n_mini,
             "train/lr": self.scheduler.get_last_lr()[0],
             "train/nonfinite_skipped": int(totals["skipped"]),
+            "train/pad_frac": totals["pad_tokens"] / max(totals["slots"], 1.0),
+            "train/micro_batches": totals["micro_batches"] / n_mini,
             "time/train": time.perf_counter() - t0,
         }
 
-    def _scatter(self, batch: Batch | None) -> list[list[tuple[list[int], Trajectory]]]:
-        """Rank 0 splits each mini-batch over the ranks (rank r: trajectories r, r + N, …) and
-        sends every rank only its share (`scatter_object_list`)."""
-        n_mini, n_rank = self.cfg.trainer.mini_batches, self.acc.num_processes
+    def _scatter(self, batch: Batch | None) -> list[list[list[Pair]]]:
+        """Rank 0 splits each mini-batch over the ranks and into micro-batches (microbatch.plan)
+        and sends every rank only its own (`scatter_object_list`)."""
+        t = self.cfg.trainer
+        n_mini, n_rank = t.mini_batches, self.acc.num_processes
         per_rank = None
         if self.acc.is_main_process:
             groups = [(g.prompt_ids, g.trajectories) for g in batch.groups]
             per_mini = math.ceil(len(groups) / n_mini)
-            minis = [[(p, t) for p, trajs in groups[m * per_mini : (m + 1) * per_mini] for t in trajs] for m in range(n_mini)]
-            per_rank = [[pairs[r::n_rank] for pairs in minis] for r in range(n_rank)]
+            per_rank = [[] for _ in range(n_rank)]
+            for m in range(n_mini):
+                pairs = [(p, tr) for p, trajs in groups[m * per_mini : (m + 1) * per_mini] for tr in trajs]
+                plan = microbatch.plan([len(p) + len(tr) for p, tr in pairs], n_rank, max_seqs=t.micro_batch_size,
+                                       max_tokens=t.max_tokens_per_micro_batch, packed=t.packing)
+                for r in range(n_rank):
+                    per_rank[r].append([[pairs[i] for i in mb] for mb in plan[r]])
         if n_rank == 1:
             return per_rank[0]
         box = [None]
         torch.distributed.scatter_object_list(box, per_rank, src=0)
         return box[0]
 
+    def _logprobs(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """log π_θ and entropy of every response token of a collated micro-batch (flat, [T])."""
+        return response_logprobs(self.model, b, self.cfg.rollout.temperature, self.cfg.trainer.logprob_chunk,
+                                 decoder=self._decoder, head=self._head)
+
+    def _collate(self, pairs: list[Pair]) -> dict[str, torch.Tensor]:
+        b = collate([t for _, t in pairs], [p for p, _ in pairs], packed=self.cfg.trainer.packing)
+        return {k: v.to(self.acc.device) for k, v in b.items()}
+
     @torch.no_grad()
-    def _proximal_logprobs(self, pairs: list[tuple[list[int], Trajectory]]) -> dict[int, list[float]]:
-        """log π_prox of every response token: the policy at the start of this step (decoupled PPO)."""
+    def _proximal_logprobs(self, plans: list[list[list[Pair]]]) -> dict[int, torch.Tensor]:
+        """log π_prox of every response token: the policy at the start of this step (decoupled PPO).
+        Over the same micro-batches as the updates, so every rank runs as many forwards (FSDP)."""
         self.model.eval()
         out = {}
-        mb = self.cfg.trainer.micro_batch_size
-        for i in range(0, len(pairs), mb):
-            chunk = pairs[i : i + mb]
-            b = collate([t for _, t in chunk], [p for p, _ in chunk])
-            logits = self.model(input_ids=b["input_ids"].to(self.acc.device),
-                                attention_mask=b["attention_mask"].to(self.acc.device)).logits[:, :-1]
-            logp, _ = token_logprobs(logits, b["targets"].to(self.acc.device), self.cfg.rollout.temperature)
-            for row, (prompt, traj) in enumerate(chunk):
-                start = len(prompt) - 1
-                out[id(traj)] = logp[row, start : start + len(traj)].tolist()
+        for micro_batches in plans:
+            for mb in micro_batches:
+                pairs = mb or [self._stand_in(micro_batches)]
+                logp, _ = self._logprobs(self._collate(pairs))
+                for (_, traj), lp in zip(pairs, torch.split(logp, [len(t) for _, t in pairs])):
+                    out[id(traj)] = lp
         return out
 
-    def _update(self, pairs: list[tuple[list[int], Trajectory]], prox: dict[int, list[float]] | None) -> dict[str, float]:
-        """One optimizer update on this rank's share of a mini-batch (micro-batched)."""
-        local_tokens = torch.tensor(float(sum(t.num_actions for _, t in pairs)), device=self.acc.device)
+    @staticmethod
+    def _stand_in(micro_batches: list[list[Pair]]) -> Pair:
+        """What an empty micro-batch runs (at weight 0): the rank's shortest sequence."""
+        return min((pair for mb in micro_batches for pair in mb), key=lambda pair: len(pair[0]) + len(pair[1]))
+
+    def _update(self, micro_batches: list[list[Pair]], prox: dict[int, torch.Tensor] | None) -> dict[str, float]:
+        """One optimizer update on this rank's micro-batches of a mini-batch."""
+        local_tokens = torch.tensor(float(sum(t.num_actions for mb in micro_batches for _, t in mb)), device=self.acc.device)
         total_tokens = self.acc.reduce(local_tokens, reduction="sum").item()
         # DDP/FSDP average gradients over ranks; scale so the result is Σ_tokens / total_tokens.
         norm = total_tokens / self.acc.num_processes
-        stats = {"loss": 0.0, "clipped": 0.0, "tokens": 0.0, "entropy": 0.0, "ratio": 0.0}
-        mb = self.cfg.trainer.micro_batch_size
-        # Every rank has >= 1 trajectory (train.check_shares), so each joins the gradient all-reduce.
-        chunks = [pairs[i : i + mb] for i in range(0, len(pairs), mb)]
-        for i, chunk in enumerate(chunks):
-            b = collate([t for _, t in chunk], [p for p, _ in chunk])
+        stats = dict.fromkeys(("loss", "clipped", "tokens", "entropy", "ratio", "pad_tokens", "slots"), 0.0)
+        for i, mb in enumerate(micro_batches):
+            # Every rank runs as many micro-batches (microbatch.equalize); an empty one is a pass at
+            # weight 0 on a stand-in, so that each rank joins every collective of the forward/backward.
+            pairs = mb or [self._stand_in(micro_batches)]
+            b = self._collate(pairs)
             if prox is not None:
-                b["logp_prox"] = _pad_like(b["logp_behavior"], [(len(p) - 1, prox[id(t)]) for p, t in chunk])
-            b = {k: v.to(self.acc.device) for k, v in b.items()}
-            sync = i == len(chunks) - 1
+                b["logp_prox"] = torch.cat([prox[id(t)] for _, t in pairs])
+            sync = self.sync_every or i == len(micro_batches) - 1
             with contextlib.nullcontext() if sync else self.acc.no_sync(self.model):
-                logits = self.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
-                logp, entropy = token_logprobs(logits, b["targets"], self.cfg.rollout.temperature)
+                logp, entropy = self._logprobs(b)
                 out = self.loss_fn(logp, b, norm)
-                self.acc.backward(out.loss)
+                self.acc.backward(out.loss if mb else out.loss * 0.0)
+            if not mb:
+                continue
             mask = b["loss_mask"]
             stats["loss"] += out.loss.item() / self.acc.num_processes  # this rank's share of Σ/total
             stats["clipped"] += out.clipped.item()
             stats["tokens"] += mask.sum().item()
             stats["entropy"] += (entropy * mask).sum().item()
             stats["ratio"] += out.ratio_sum.item()
+            stats["pad_tokens"] += b["pad_tokens"].item()
+            stats["slots"] += b["slots"].item()
         grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip))
         bad = torch.tensor(float(not (math.isfinite(grad_norm) and math.isfinite(stats["loss"]))), device=self.acc.device)
         if self.acc.num_processes > 1:  # every rank must take the same decision
@@ -210,19 +255,18 @@ class DAPOTrainer:
         else:
             self.nonfinite_skipped += 1
         self.optimizer.zero_grad(set_to_none=True)
-        stats["grad_norm"] = grad_norm
         stats = self._reduce(stats)
+        stats["grad_norm"] = grad_norm
         stats["skipped"] = float(bad.item() > 0)
+        stats["micro_batches"] = float(len(micro_batches))
         return stats
 
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         if self.acc.num_processes == 1:
             return stats
-        keys = ["loss", "clipped", "tokens", "entropy", "ratio"]
+        keys = list(stats)
         t = self.acc.reduce(torch.tensor([stats[k] for k in keys], device=self.acc.device), reduction="sum")
-        out = dict(zip(keys, t.tolist()))
-        out["grad_norm"] = stats["grad_norm"]
-        return out
+        return dict(zip(keys, t.tolist()))
 
     # --- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict:

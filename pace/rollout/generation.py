@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pace.algo.advantages import correctness_reward, group_advantages, overlong_penalty
 from pace.records import Group, Trajectory
 from pace.rollout import engine as engine_lib
@@ -37,12 +39,10 @@ class VersionMismatch(RuntimeError):
     """vLLM's weight-version spans disagree with the rollout thread's stamps (in-process engine)."""
 
 
-def span_versions(spans) -> list[int]:
+def span_versions(spans) -> np.ndarray:
     """Per-token versions from vLLM's `WeightVersionSpan`s (labels are the published versions)."""
-    out: list[int] = []
-    for s in spans:
-        out.extend([int(s.version)] * (s.end - s.start))
-    return out
+    return np.repeat(np.array([int(s.version) for s in spans], dtype=np.int32),
+                     np.array([s.end - s.start for s in spans], dtype=np.int64))
 
 
 class GenerationMixin:
@@ -88,14 +88,10 @@ class GenerationMixin:
             pending = self._pending[gid]
             traj = pending.responses.get(idx)
             if traj is None:
-                traj = pending.responses[idx] = Trajectory([], [], [], completed_at=-1, finish_reason="")
+                traj = pending.responses[idx] = Trajectory()
             tool_call = False
-            for comp in out.outputs:
-                traj.response_ids.extend(comp.token_ids)
-                traj.logprobs.extend(lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs))
-                traj.versions.extend([version] * len(comp.token_ids))
-                if traj.action_mask is not None:
-                    traj.action_mask.extend([True] * len(comp.token_ids))
+            for comp in out.outputs:  # this step's new tokens (delta outputs), appended as one chunk
+                traj.extend(comp.token_ids, [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs)], version)
                 self.stats["tokens"] += len(comp.token_ids)
                 if out.finished:
                     self._record_spans(traj, pending.turn_start.get(idx, 0), comp.weight_versions)
@@ -103,7 +99,7 @@ class GenerationMixin:
                     tool_call = self.tools is not None and is_tool_stop(comp)
             left = self.cfg.rollout.max_tokens - len(traj) if tool_call else 0
             if left > 0:  # the turn ended at </code>: run the program, the response continues after it
-                self.tools.submit((gid, idx), traj.response_ids[pending.turn_start.get(idx, 0):], left)
+                self.tools.submit((gid, idx), traj.response_ids[pending.turn_start.get(idx, 0):].tolist(), left)
             elif out.finished:
                 self._finish_response(pending, traj)
 
@@ -115,14 +111,15 @@ class GenerationMixin:
         if len(versions) != len(traj) - start:
             raise VersionMismatch(f"weight_versions cover {len(versions)} tokens, the turn has {len(traj) - start}")
         if self.engine.in_process:
-            if versions != traj.versions[start:]:
+            if not np.array_equal(versions, traj.versions[start:]):
                 raise VersionMismatch(f"weight_versions {[(s.version, s.start, s.end) for s in spans]} disagree with "
-                                      f"the rollout's stamps {traj.versions[start:]}")
+                                      f"the rollout's stamps {traj.versions[start:].tolist()}")
             self.stats["versions_checked"] += len(versions)  # tokens whose spans equalled the stamps
         traj.versions[start:] = versions
 
     def _finish_response(self, pending: _Pending, traj: Trajectory) -> None:
         traj.completed_at = self.trainer_version
+        traj.finish()
         pending.remaining -= 1
         if pending.remaining == 0:
             self._finish_group(pending)
@@ -132,12 +129,9 @@ class GenerationMixin:
         self.engine.release_group(f"g{pending.group.id}")
         group = pending.group
         group.trajectories = [pending.responses[i] for i in range(self.group_size)]
-        texts = self.tokenizer.batch_decode([t.response_ids for t in group.trajectories], skip_special_tokens=True)
-        for traj, text in zip(group.trajectories, texts):
-            traj.text = text
-        if self.tools is not None:
-            # graded on the model's own tokens: a program printing "Answer: ..." must not answer for it
-            texts = self.tokenizer.batch_decode([t.action_ids for t in group.trajectories], skip_special_tokens=True)
+        # graded on the model's own tokens: in a tool rollout a program printing "Answer: ..." must not answer
+        # for it. The text is not kept (the pool holds token ids only).
+        texts = self.tokenizer.batch_decode([t.action_ids.tolist() for t in group.trajectories], skip_special_tokens=True)
         self._grading.append((group, self.grader.submit(texts, [group.answer] * len(texts))))
 
     def _collect_grades(self) -> bool:

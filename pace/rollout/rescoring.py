@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pace.records import Group, Trajectory
 from pace.rollout import engine as engine_lib
 
@@ -57,8 +59,7 @@ class RescoringMixin:
             if group.id in self._rescoring:
                 continue  # still being scored under an earlier version: rescored at the next update
             # A prefix generated entirely by the loaded weights has distance 0 by definition: no request.
-            todo = [i for i, t in enumerate(group.trajectories)
-                    if any(x != v for x, a in zip(t.versions[:m], _actions(t, m)) if a)]
+            todo = [i for i, t in enumerate(group.trajectories) if (t.versions[:m][_actions(t, m)] != v).any()]
             job = self._rescoring[group.id] = _Rescore(group, v, len(todo))
             job.distances.update({i: 0.0 for i in range(len(group.trajectories)) if i not in todo})
             self.stats["rescore_skipped"] += len(group.trajectories) - len(todo)
@@ -66,7 +67,7 @@ class RescoringMixin:
             if not todo:
                 self._finish_rescore(job)
             for i in todo:
-                ids = group.prompt_ids + group.trajectories[i].response_ids[:m]
+                ids = group.prompt_ids + group.trajectories[i].response_ids[:m].tolist()
                 self.engine.add_request(f"s{group.id}-{i}", {"prompt_token_ids": ids, "cache_salt": salt}, params,
                                         priority=engine_lib.SCORING_PRIORITY, group=f"s{group.id}")
         if self._rescoring and self._rescore_started is None:
@@ -79,11 +80,12 @@ class RescoringMixin:
             return
         traj = job.group.trajectories[idx]
         m = min(self.prefix_tokens, len(traj))
-        ids = job.group.prompt_ids + traj.response_ids[:m]
-        current = engine_lib.prompt_token_logprobs(out, ids, len(job.group.prompt_ids))
+        ids = job.group.prompt_ids + traj.response_ids[:m].tolist()
+        current = np.asarray(engine_lib.prompt_token_logprobs(out, ids, len(job.group.prompt_ids)), dtype=np.float64)
         # over the model's own tokens: tool output in the prefix is context, with no ℓ^μ
-        diffs = [abs(a - b) for a, b, act in zip(current, traj.logprobs[:m], _actions(traj, m)) if act]
-        job.distances[idx] = sum(diffs) / max(len(diffs), 1)
+        act = _actions(traj, m)
+        diffs = np.abs(current - traj.logprobs[:m].astype(np.float64))[act]
+        job.distances[idx] = float(diffs.sum()) / max(diffs.size, 1)
         job.remaining -= 1
         if job.remaining == 0:
             self._finish_rescore(job)
@@ -101,6 +103,6 @@ class RescoringMixin:
         return [f"s{gid}-{i}" for gid, job in self._rescoring.items() for i in range(len(job.group.trajectories))]
 
 
-def _actions(traj: Trajectory, m: int) -> list[bool]:
-    """Which of the first ``m`` response tokens the model generated."""
-    return [True] * min(m, len(traj)) if traj.action_mask is None else traj.action_mask[:m]
+def _actions(traj: Trajectory, m: int) -> np.ndarray:
+    """Which of the first ``m`` response tokens the model generated (bool)."""
+    return np.ones(min(m, len(traj)), dtype=bool) if traj.action_mask is None else traj.action_mask[:m]

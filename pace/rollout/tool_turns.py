@@ -27,12 +27,7 @@ class ToolTurnsMixin:
             traj = pending.responses[idx]
             traj.tool_calls += 1
             traj.tool_errors += not result.ok
-            if traj.action_mask is None:
-                traj.action_mask = [True] * len(traj)
-            traj.response_ids.extend(ids)
-            traj.logprobs.extend([0.0] * len(ids))
-            traj.versions.extend([self.engine_version] * len(ids))
-            traj.action_mask.extend([False] * len(ids))
+            traj.extend(ids, 0.0, self.engine_version, action=False)  # context: no ℓ^μ, masked out of the loss
             left = budget - len(traj)
             if left <= 0:  # the tool output used up the response budget
                 traj.finish_reason = "length"
@@ -40,7 +35,7 @@ class ToolTurnsMixin:
                 continue
             pending.turns[idx] = pending.turns.get(idx, 0) + 1
             pending.turn_start[idx] = len(traj)
-            prompt = {"prompt_token_ids": pending.group.prompt_ids + traj.response_ids,
+            prompt = {"prompt_token_ids": pending.group.prompt_ids + traj.response_ids.tolist(),
                       "cache_salt": engine_lib.cache_salt(self.engine_version)}
             params = self._turn_params(left, calls=traj.tool_calls)
             self.engine.add_request(pending.request_id(idx), prompt, params, group=f"g{gid}")

@@ -103,12 +103,12 @@ def test_rollout_records_versions_across_an_update(llm, weights, tiny_model_path
     assert trajs and groups_done + len(worker._pending) == 2
     for t in trajs:
         assert len(t.versions) == len(t.response_ids) == len(t.logprobs)
-        assert t.versions == sorted(t.versions)  # versions never go back within a response
+        assert t.versions.tolist() == sorted(t.versions.tolist())  # versions never go back within a response
         assert t.completed_at == 1
     spanning = [t for t in trajs if t.versions[0] == 0 and t.versions[-1] == 1]
     assert spanning, "every response ended within 5 engine steps: no update landed mid-generation"
     for t in spanning:
-        assert t.versions[:5] == [0] * 5 and t.versions[5:] == [1] * (len(t) - 5)
+        assert t.versions[:5].tolist() == [0] * 5 and t.versions[5:].tolist() == [1] * (len(t) - 5)
     # vLLM's own labels (weight_versions, set with each update) equalled these stamps token for token
     finished = sum(len(t) for t in trajs if t.finish_reason)
     assert worker.stats["versions_checked"] == finished > 0
@@ -193,7 +193,7 @@ def _moved(tiny_model_path, seed: int, scale: float = 0.05):
 
 def _hf_logprobs(model, ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
     """The trainer's log π of ``ids[start:]`` (`token_logprobs` at ``temperature``)."""
-    from pace.algo.trainer import token_logprobs
+    from pace.algo.logprobs import full_logprobs as token_logprobs
 
     full = torch.tensor([ids])
     with torch.no_grad():
@@ -276,9 +276,10 @@ def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse
     assert set(groups) == {0, 1}
     prompt = groups[0].prompt_ids
     for traj in groups[0].trajectories:  # spanning: θ_0 tokens, then θ_1 tokens with θ_0's earlier KV
-        m = traj.versions.index(1) if 1 in traj.versions else len(traj)
-        assert traj.versions[:m] == [0] * m and m >= 1 and len(traj) > m, traj.versions
-        y = traj.response_ids
+        versions = traj.versions.tolist()
+        m = versions.index(1) if 1 in versions else len(traj)
+        assert versions[:m] == [0] * m and m >= 1 and len(traj) > m, versions
+        y = traj.response_ids.tolist()
         before = _hf_logprobs(old, prompt + y[:m], len(prompt))
         with torch.no_grad():
             past = old(torch.tensor([prompt + y[:m - 1]]), use_cache=True).past_key_values
@@ -288,8 +289,8 @@ def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse
         stale = _hf_logprobs(old, prompt + y, len(prompt))[m:]  # what a missed update would have produced
         assert max(abs(a - b) for a, b in zip(traj.logprobs[m:], stale)) > 1e-3
     for traj in groups[1].trajectories:  # started after the update: θ_1 only, no θ_0 prefix reused
-        assert set(traj.versions) == {1}
-        fresh = _hf_logprobs(new, prompt + traj.response_ids, len(prompt))
+        assert set(traj.versions.tolist()) == {1}
+        fresh = _hf_logprobs(new, prompt + traj.response_ids.tolist(), len(prompt))
         assert max(abs(a - b) for a, b in zip(traj.logprobs, fresh)) < 1e-4
 
 
@@ -340,6 +341,6 @@ def test_a_prefix_score_pending_when_an_update_lands_is_redone_under_the_new_wei
         m = cfg.pace.prefix_tokens
         per_response = []
         for t in g.trajectories:
-            current = _hf_logprobs(new, g.prompt_ids + t.response_ids[:m], len(g.prompt_ids))
+            current = _hf_logprobs(new, g.prompt_ids + t.response_ids[:m].tolist(), len(g.prompt_ids))
             per_response.append(sum(abs(a - b) for a, b in zip(current, t.logprobs[:m])) / len(current))
         assert g.pfs == pytest.approx(sum(per_response) / len(per_response), abs=1e-4)

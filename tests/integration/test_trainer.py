@@ -26,7 +26,7 @@ def _batch(tokenizer, model, advantage: float, prompt_text="12+34=?\n"):
     The advantage has one sign in the batch on purpose: with opposite signs on shared tokens the
     gradients cancel to rounding noise, which Adam's first (sign-like) step turns into a random move.
     """
-    from pace.algo.trainer import token_logprobs
+    from pace.algo.logprobs import full_logprobs as token_logprobs
     from pace.records import Batch, Group, Trajectory
 
     prompt = tokenizer(prompt_text, add_special_tokens=False).input_ids
@@ -40,9 +40,9 @@ def _batch(tokenizer, model, advantage: float, prompt_text="12+34=?\n"):
 
 
 def _seq_logprob(model, prompt, traj):
-    from pace.algo.trainer import token_logprobs
+    from pace.algo.logprobs import full_logprobs as token_logprobs
 
-    full = torch.tensor([prompt + traj.response_ids])
+    full = torch.tensor([prompt + traj.response_ids.tolist()])
     with torch.no_grad():
         lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], 1.0)
     return lp[0, len(prompt) - 1 :].sum().item()

@@ -31,19 +31,20 @@ def env(tiny_model_path):
 
 
 def _trainer(env, **overrides):
+    from omegaconf import OmegaConf
+
     from pace.algo.trainer import DAPOTrainer
 
     path, cfg, acc, _ = env
     cfg = cfg.copy()
     for key, value in overrides.items():
-        section, name = key.split(".")
-        cfg[section][name] = value
+        OmegaConf.update(cfg, key, value)
     return DAPOTrainer(path, cfg, acc)
 
 
 def _logprobs(model, pairs):
     """log π of every response token, one sequence at a time (no padding involved)."""
-    from pace.algo.trainer import token_logprobs
+    from pace.algo.logprobs import full_logprobs as token_logprobs
 
     out = []
     for prompt, resp in pairs:
@@ -76,7 +77,7 @@ def _batch(env, model, groups: int = 2, noise: float = 0.7, seed: int = 0):
 
 
 def _response_logprobs(model, batch) -> torch.Tensor:
-    return torch.cat(_logprobs(model, [(g.prompt_ids, t.response_ids) for g in batch.groups for t in g.trajectories]))
+    return torch.cat(_logprobs(model, [(g.prompt_ids, t.response_ids.tolist()) for g in batch.groups for t in g.trajectories]))
 
 
 def _reference(fn, model, batch, prox=None, **kw):
@@ -90,25 +91,43 @@ def _reference(fn, model, batch, prox=None, **kw):
     return fn(*args, adv, mask, len(logp), **kw).loss.item()
 
 
-def test_the_loss_is_token_level_whatever_the_micro_batch_size(env):
+LAYOUTS = {  # how one mini-batch of 8 sequences (lengths ~10–30 tokens) is cut and computed
+    "1 per sequence": {"trainer.micro_batch_size": 1},
+    "3 per micro-batch": {"trainer.micro_batch_size": 3},
+    "all in one": {"trainer.micro_batch_size": 64},
+    "token budget, padded": {"trainer.max_tokens_per_micro_batch": 60},
+    "token budget, packed": {"trainer.max_tokens_per_micro_batch": 60, "trainer.packing": True},
+    "full-vocabulary log-probs": {"trainer.micro_batch_size": 3, "trainer.logprob_chunk": None},
+    "chunks of 5 positions": {"trainer.micro_batch_size": 3, "trainer.logprob_chunk": 5},
+}
+
+
+def test_the_loss_and_gradient_do_not_depend_on_the_micro_batch_layout(env):
     """Guards against: each micro-batch divided by its own token count (then the loss and the
-    update change with `trainer.micro_batch_size`)."""
+    update change with the split), a packed or chunked path scoring the wrong positions, or an
+    empty/duplicated trajectory in a token-budget plan."""
     from pace.algo.loss import dapo_loss
 
-    losses, grads = [], []
-    for mb in (1, 3, 64):
-        trainer = _trainer(env, **{"trainer.micro_batch_size": mb})
+    losses, grads, metrics = {}, {}, {}
+    for name, overrides in LAYOUTS.items():
+        trainer = _trainer(env, **overrides)
         model = env[2].unwrap_model(trainer.model)
         batch = _batch(env, model)
         with torch.no_grad():
             expected = _reference(dapo_loss, model, batch)
-        grads.append(_record_grads(trainer, model))
-        losses.append(trainer.step(batch)["train/loss"])
-        assert losses[-1] == pytest.approx(expected, abs=1e-5)
-    assert losses[0] == pytest.approx(losses[1], abs=1e-5) and losses[0] == pytest.approx(losses[2], abs=1e-5)
-    for name, g in grads[0][0].items():  # the gradient handed to the optimizer, not just the loss
-        for other in grads[1:]:
-            torch.testing.assert_close(other[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
+        seen = _record_grads(trainer, model)
+        metrics[name] = trainer.step(batch)
+        losses[name], grads[name] = metrics[name]["train/loss"], seen[0]
+        assert losses[name] == pytest.approx(expected, abs=1e-5), name
+    first = next(iter(LAYOUTS))
+    for name in LAYOUTS:  # the gradient handed to the optimizer, not just the loss
+        assert losses[name] == pytest.approx(losses[first], abs=1e-5), name
+        for p, g in grads[first].items():
+            torch.testing.assert_close(grads[name][p], g, atol=1e-6, rtol=1e-4, msg=f"{name}: {p}")
+    assert metrics["token budget, packed"]["train/pad_frac"] == 0.0
+    assert metrics["1 per sequence"]["train/pad_frac"] == 0.0 and metrics["all in one"]["train/pad_frac"] > 0.2
+    assert metrics["token budget, padded"]["train/pad_frac"] < metrics["all in one"]["train/pad_frac"]
+    assert metrics["token budget, padded"]["train/micro_batches"] > 1
 
 
 def _record_grads(trainer, model) -> list[dict]:

@@ -24,8 +24,8 @@ def tool_traj(c: int = 3) -> Trajectory:
 def test_staleness_averages_only_model_tokens():
     t = tool_traj()
     plain = Trajectory(response_ids=[1] * 5, logprobs=[0.0] * 5, versions=[0, 0, 1, 2, 2], completed_at=3, finish_reason="stop")
-    assert t.action_versions == plain.versions and t.num_actions == 5 and len(t) == 9
-    assert t.action_ids == [10, 11, 12, 17, 18] and plain.action_ids == plain.response_ids  # graded text
+    assert t.action_versions.tolist() == plain.versions.tolist() and t.num_actions == 5 and len(t) == 9
+    assert t.action_ids.tolist() == [10, 11, 12, 17, 18] and plain.action_ids.tolist() == plain.response_ids.tolist()  # graded text
     g_tool, g_plain = Group(0, "p", [1], "1", 0, [t]), Group(1, "p", [1], "1", 0, [plain])
     for step in (3, 4, 7):
         k, k_gen, k_wait = g_tool.staleness(step)
@@ -38,8 +38,10 @@ def test_staleness_averages_only_model_tokens():
 def test_collate_masks_tool_tokens_out_of_the_loss():
     prompt = [1, 2, 3]
     b = collate([tool_traj(), Trajectory([7, 8], [-1.0, -1.0], [0, 0], 0, "stop")], [prompt, prompt])
-    # response token t sits at target position len(prompt) - 1 + t
-    row = b["loss_mask"][0, len(prompt) - 1 : len(prompt) - 1 + 9]
-    assert row.tolist() == [float(a) for a in MASK]
-    assert b["loss_mask"][0].sum() == 5 and b["loss_mask"][1].sum() == 2
-    assert torch.equal(b["targets"][0, 2:11], torch.arange(10, 19))  # tool tokens stay in the context
+    # flat per-response-token tensors: trajectory 0's 9 tokens, then trajectory 1's 2
+    assert b["loss_mask"].tolist() == [float(a) for a in MASK] + [1.0, 1.0]
+    assert b["loss_mask"][:9].sum() == 5 and b["loss_mask"][9:].sum() == 2
+    assert torch.equal(b["targets"][:9], torch.arange(10, 19))  # tool tokens stay in the context
+    # response token t is scored at position len(prompt) − 1 + t of its row (rows of width 12)
+    assert b["index"].tolist() == [2 + t for t in range(9)] + [12 + 2, 12 + 3]
+    assert torch.equal(b["input_ids"][0, 3:], torch.arange(10, 19))
