@@ -23,8 +23,13 @@ def torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
 
 
-def _steps(n: int, model: str) -> list[dict]:
-    cmd = [*torchrun(n), str(ROOT / "tests/integration/ddp_step.py"), model]
+DDP_LAYOUTS = ["count", "tokens", "packed"]
+FSDP_LAYOUTS = ["fsdp_every", "fsdp_last"]
+
+
+def _steps(n: int, model: str, layouts: list[str]) -> tuple[dict, dict, dict]:
+    """Per layout: the two steps' metrics, the weights' checksum after them, empty micro-batches planned."""
+    cmd = [*torchrun(n), str(ROOT / "tests/integration/ddp_step.py"), model, *layouts]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:  # one failed launch seen once in a full fresh-clone run (cause not found): say it, try again
         print(f"torchrun ({n} processes) failed once, relaunching:\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -32,17 +37,31 @@ def _steps(n: int, model: str) -> list[dict]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert f"PROCESSES {n} {n}" in lines, proc.stdout[-2000:]
-    return [json.loads(line[len("METRICS "):]) for line in lines if line.startswith("METRICS ")]
+    tagged = lambda tag: [json.loads(line[len(tag) + 1:]) for line in lines if line.startswith(tag + " ")]  # noqa: E731
+    metrics = {layout: [m for m in tagged("METRICS") if m["layout"] == layout] for layout in layouts}
+    weights = {w["layout"]: w["checksum"] for w in tagged("WEIGHTS")}
+    empty = {e["layout"]: e["empty"] for e in tagged("EMPTY")}
+    return metrics, weights, empty
 
 
-def test_updates_do_not_depend_on_the_number_of_processes(tiny_model_path):
-    one, two = _steps(1, tiny_model_path), _steps(2, tiny_model_path)
-    assert len(one) == len(two) == 2
-    for a, b in zip(one, two):
-        for key in ("train/loss", "train/grad_norm", "train/entropy", "train/ratio_mean", "train/clipfrac"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
-        assert b["train/lr"] == pytest.approx(a["train/lr"], rel=1e-9)  # once per update, not once per process
-    assert one[1]["train/lr"] > one[0]["train/lr"]  # still warming up: a schedule stepped N times would differ
+def test_updates_do_not_depend_on_the_number_of_processes_or_the_micro_batch_layout(tiny_model_path):
+    """One process vs two (DDP, and FSDP2 with reduce-scatter after every micro-batch or `no_sync`
+    until the last), micro-batches by count or by a token budget (padded, packed; a rank then runs
+    an empty zero-weight micro-batch): the same losses, gradient norms, LR and weights."""
+    one, one_w, _ = _steps(1, tiny_model_path, DDP_LAYOUTS)
+    two, two_w, empty = _steps(2, tiny_model_path, DDP_LAYOUTS + FSDP_LAYOUTS)
+    ref = one["count"]
+    assert len(ref) == 2 and ref[1]["train/lr"] > ref[0]["train/lr"]  # still warming up: a schedule stepped N times would differ
+    runs = [(f"1 process, {k}", one[k], one_w[k]) for k in DDP_LAYOUTS] + [(f"2 processes, {k}", two[k], two_w[k]) for k in two]
+    for name, steps, checksum in runs:
+        assert len(steps) == 2, name
+        for a, b in zip(ref, steps):
+            for key in ("train/loss", "train/grad_norm", "train/entropy", "train/ratio_mean", "train/clipfrac"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (name, key)
+            assert b["train/lr"] == pytest.approx(a["train/lr"], rel=1e-9), name  # once per update, not once per process
+        assert checksum == pytest.approx(one_w["count"], rel=1e-6, abs=1e-6), name
+    assert all(empty[k] >= 1 for k in ["tokens", "packed", *FSDP_LAYOUTS]), empty  # the zero-weight pass ran
+    assert two["packed"][0]["train/pad_frac"] == 0.0 and two["count"][0]["train/pad_frac"] > 0
 
 
 def _run(args: list[str], n: int = 2, timeout: int = 600):
