@@ -1,8 +1,21 @@
-"""Memory when production outruns training: `pool.capacity` keeps it flat (issue #6).
+"""Host memory of the pool: bytes per pooled token (issue #17), and `pool.capacity` keeping the
+resident size flat when production outruns training (issue #6).
 
-    python scripts/bench_memory.py                          # 150 steps, capacity 256 vs no capacity
+    python scripts/bench_memory.py --records-only           # bytes per pooled token, seconds
+    python scripts/bench_memory.py                          # and 150 steps, capacity 256 vs no capacity
     python scripts/bench_memory.py --steps 400 --capacity 128
     python scripts/bench_memory.py -- rollout.max_tokens=192   # extra overrides for both runs
+
+Bytes per pooled token: the same groups built twice, as the per-token record was before issue
+#17 (a dataclass of Python lists, `ListTrajectory` below: an int, a float and an int per token;
+its decoded `text` left empty, so "before" is a lower bound) and as it is now (`Trajectory`, one
+NumPy structured array, streamed in engine-sized chunks and trimmed at the end), each measured by
+`tracemalloc` (every allocation the groups hold, per-trajectory overhead included) and divided by
+the response tokens (the groups' prompts included in the bytes). Two regimes: the tiny lab's
+(G = 8, 10–120 tokens, 12-token prompts, vocabulary 128: its token ids are cached small ints) and
+the 8B presets' (G = 16, log-normal lengths of median 3k capped at 20,480, 150-token prompts,
+vocabulary 151,936). Each response also costs a fixed ~300 bytes (its object, the array's header,
+its reward and advantage), which is what the tiny regime's short responses pay per token.
 
 Runs the same async tiny run twice, one after the other: with `pool.capacity=<C>` and with no cap
 (`pool.capacity=null`). B = 8 groups per step, trained in micro-batches of 2 sequences (slow
@@ -18,15 +31,91 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 BASE = ["+exp=async_tiny", "data.batch_prompts=8", "trainer.micro_batch_size=2", "rollout.max_inflight_groups=128", "eval.every=0",
         "logger.mode=disabled", "logger.progress=false"]
+
+
+@dataclass
+class ListTrajectory:
+    """The per-token record before issue #17 (pace/records.py at 95fa358), for comparison."""
+
+    response_ids: list
+    logprobs: list
+    versions: list
+    completed_at: int
+    finish_reason: str
+    text: str = ""
+    correct: bool = False
+    reward: float = 0.0
+    advantage: float = 0.0
+    action_mask: list | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+def _responses(regime: str, groups: int, seed: int = 0):
+    """(ids, log-probs, versions) of every response of ``groups`` groups, as NumPy arrays: each
+    build below turns them into fresh Python objects (`tolist`), as vLLM's outputs are."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    g, vocab = (8, 128) if regime == "tiny" else (16, 151_936)
+    for _ in range(groups * g):
+        n = int(rng.integers(10, 121)) if regime == "tiny" else min(20_480, int(rng.lognormal(8.0, 0.8)))
+        switch = int(rng.integers(0, n + 1))  # one weight update mid-generation
+        yield (rng.integers(0, vocab, n), (-3 * rng.random(n)).astype(np.float32).astype(np.float64),
+               np.repeat([0, 1], [switch, n - switch]))
+
+
+def _traced(build) -> tuple[int, object]:
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        obj = build()
+        return tracemalloc.get_traced_memory()[0] - before, obj
+    finally:
+        tracemalloc.stop()
+
+
+def _streamed(ids, lps, versions):
+    from pace.records import Trajectory
+
+    t, i, rng = Trajectory(), 0, random.Random(len(ids))
+    while i < len(ids):  # engine deltas of 1–8 tokens, as Python lists (vLLM's CompletionOutput)
+        k = rng.randint(1, 8)
+        t.extend(ids[i : i + k].tolist(), lps[i : i + k].tolist(), int(versions[i]))
+        i += k
+    t.versions[:] = versions  # vLLM's spans, as when the request finishes
+    t.finish()
+    return t
+
+
+def bytes_per_token(regime: str, groups: int) -> dict:
+    from pace.records import Group
+
+    data = list(_responses(regime, groups))
+    tokens = sum(len(ids) for ids, _, _ in data)
+    per_group = len(data) // groups
+    prompt = 12 if regime == "tiny" else 150  # "12+34*5=?\n" in characters; a DAPO-Math prompt in Qwen3 tokens
+
+    def pool(make):
+        return [Group(k, f"p{k}", list(range(1000, 1000 + prompt)), "0", 0,
+                      [make(*data[k * per_group + j]) for j in range(per_group)]) for k in range(groups)]
+
+    old, _ = _traced(lambda: pool(lambda i, lp, v: ListTrajectory(i.tolist(), lp.tolist(), v.tolist(), 1, "stop")))
+    new, _ = _traced(lambda: pool(_streamed))
+    return {"regime": regime, "groups": groups, "tokens": tokens, "before": old / tokens, "after": new / tokens}
 
 
 def _status_kib(pid: int, field: str) -> int | None:
@@ -83,8 +172,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--capacity", type=int, default=256)
+    ap.add_argument("--records-only", action="store_true", help="only the bytes per pooled token (seconds)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs (after --)")
     args = ap.parse_args()
+
+    print("| regime | groups | tokens | bytes per pooled token: before (lists) | after (NumPy record) | ratio |")
+    print("|---|---|---|---|---|---|")
+    for regime, groups in (("tiny", 2000), ("8B presets", 64)):
+        r = bytes_per_token(regime, groups)
+        print(f"| {regime} | {groups} | {r['tokens']:,} | {r['before']:.1f} | {r['after']:.1f} | {r['before'] / r['after']:.1f}x |")
+    if args.records_only:
+        return
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,59 @@
+"""The compact per-token record of a response (`Trajectory`, pace/records.py): 13 bytes a token,
+grown in chunks, trimmed when finished, pickled without spare capacity, views that read and write."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from pace.records import TOKEN, Group, Trajectory
+
+pytestmark = pytest.mark.unit
+
+
+def test_streamed_chunks_equal_a_trajectory_built_at_once():
+    t = Trajectory()
+    t.extend([5, 6, 7], [-0.5, -0.25, -1.0], 0)
+    t.extend([8], [-2.0], 1)
+    t.extend([9, 10], 0.0, 1, action=False)  # tool output: context
+    t.extend([], [], 2)
+    ref = Trajectory([5, 6, 7, 8, 9, 10], [-0.5, -0.25, -1.0, -2.0, 0.0, 0.0], [0, 0, 0, 1, 1, 1],
+                     action_mask=[True] * 4 + [False] * 2)
+    for name in ("response_ids", "logprobs", "versions", "action_mask", "action_ids", "action_versions"):
+        assert np.array_equal(getattr(t, name), getattr(ref, name)), name
+    assert len(t) == 6 and t.num_actions == 4 and t.response_ids.dtype == np.int32 and t.logprobs.dtype == np.float32
+    assert Trajectory([1], [0.0], [0]).action_mask is None  # no tool token: no mask
+
+
+def test_finish_trims_growth_and_pickle_keeps_only_the_tokens():
+    t = Trajectory()
+    for i in range(100):
+        t.extend([i], [-0.1], i // 10)
+    assert t.nbytes > 100 * TOKEN.itemsize  # doubling left spare capacity
+    back = pickle.loads(pickle.dumps(t))
+    assert back.nbytes == 100 * TOKEN.itemsize == 1300 and np.array_equal(back.versions, t.versions)
+    t.finish()
+    assert t.nbytes == 1300 and t.versions[-1] == 9
+    t.versions[95:] = 10  # vLLM's spans replace the rollout's stamps in place
+    assert t.versions[-5:].tolist() == [10] * 5
+
+
+def test_float32_log_probs_are_the_engine_values():
+    """vLLM reports ℓ^μ as float32: storing float32 loses nothing."""
+    values = np.float32([-0.123456789, -7.5e-8, -30.25]).astype(float).tolist()
+    assert Trajectory([1, 2, 3], values, [0, 0, 0]).logprobs.astype(float).tolist() == values
+
+
+def test_a_group_with_compact_records_keeps_its_staleness():
+    trajs = [Trajectory([1] * 4, [-0.1] * 4, [0, 0, 1, 2], completed_at=2), Trajectory([1] * 2, [-0.1] * 2, [1, 1], completed_at=1)]
+    g = Group(0, "p", [1], "1", 0, trajs)
+    k, k_gen, k_wait = g.staleness(4)
+    # 6 tokens, Σ v = 5; K_gen = (4·2 − 3 + 2·1 − 2) / 6; K_wait = (4·(4 − 2) + 2·(4 − 1)) / 6
+    assert (k, k_gen, k_wait) == pytest.approx((4 - 5 / 6, 5 / 6, 14 / 6), abs=1e-12)
+    assert k == pytest.approx(k_gen + k_wait)
+
+
+def test_mismatched_lengths_are_refused():
+    with pytest.raises(ValueError, match="one log-prob, version"):
+        Trajectory([1, 2], [-0.1], [0, 0])
