@@ -180,7 +180,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for regime, groups in (("tiny", 2000), ("8B presets", 64)):
         r = bytes_per_token(regime, groups)
-        print(f"| {regime} | {groups} | {r['tokens']:,} | {r['before']:.1f} | {r['after']:.1f} | {r['before'] / r['after']:.1f}x |")
+        ratio = r["before"] / r["after"]
+        print(f"| {regime} | {groups} | {r['tokens']:,} | {r['before']:.1f} | {r['after']:.1f} | {ratio:.1f}x |")
     if args.records_only:
         return
 

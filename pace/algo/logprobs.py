@@ -7,8 +7,9 @@ Two paths that compute the same numbers:
                     once: ≈ 57 GiB for one 22.5k-token sequence with Qwen3's V = 151,936.
 ``chunked_logprobs`` the default: from the final hidden states of the response positions only,
                     `chunk` positions at a time; each chunk's logits are recomputed in backward
-                    (`torch.utils.checkpoint`), so the peak is set by one chunk (~12 bytes × V ×
-                    chunk), not by the sequence. The entropy (a metric) is computed without a graph.
+                    (a custom autograd function, `_ChunkLogProbs`), so the peak is set by one
+                    chunk (two float32 [chunk, V] tensors: ~0.6 GB each at chunk 1024 and
+                    V = 151,936), not by the sequence. The entropy (a metric) has no gradient.
 
 Temperature: the engine samples from softmax(logits / T) and reports that distribution's
 log-probs, so the trainer divides by T too. vLLM's processed log-probs also reflect top-p/top-k
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def full_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,38 +35,59 @@ def full_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     return logp, entropy
 
 
-def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias).float() / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    with torch.no_grad():
-        entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
+class _ChunkLogProbs(torch.autograd.Function):
+    """log π of ``targets`` and the entropy at ``chunk`` positions from their hidden states, with
+    the logits recomputed in backward instead of kept (what fused linear-cross-entropy kernels do,
+    in PyTorch): forward holds at most two float32 [chunk, V] tensors, backward one (the softmax,
+    turned into the gradient of the logits in place)."""
+
+    @staticmethod
+    def _logits(hidden, weight, bias, temperature):
+        logits = F.linear(hidden, weight, bias).float()
+        return logits.div_(temperature) if temperature != 1.0 else logits
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature):
+        logits = _ChunkLogProbs._logits(hidden, weight, bias, temperature)
+        logz = torch.logsumexp(logits, dim=-1)
+        logp_all = logits.sub_(logz.unsqueeze(-1))  # in place: log-softmax
+        logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -torch.einsum("tv,tv->t", logp_all.exp(), logp_all)  # a contraction, not a [chunk, V] product
+        ctx.save_for_backward(hidden, weight, bias, targets, logz)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, targets, logz = ctx.saved_tensors
+        # d log p_y / d z_v = 1[v = y] − p_v; z = logits / T
+        grad = _ChunkLogProbs._logits(hidden, weight, bias, ctx.temperature).sub_(logz.unsqueeze(-1)).exp_()
+        grad.mul_(-grad_logp.unsqueeze(-1))
+        grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        grad = grad.to(hidden.dtype)
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Linear | torch.nn.Module, targets: torch.Tensor,
                      temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``full_logprobs(head(hidden), targets)`` for hidden [T, H] and targets [T], ``chunk``
-    positions at a time. With more than one chunk each is checkpointed: backward recomputes its
-    logits instead of keeping them."""
+    positions at a time, each chunk's logits recomputed in backward (`_ChunkLogProbs`)."""
     if chunk < 1:
         raise ValueError(f"trainer.logprob_chunk must be >= 1, got {chunk}")
     weight, bias = head.weight, getattr(head, "bias", None)
     if weight.dtype != hidden.dtype:  # fp32 master weights under autocast (DDP mixed precision): compute as the forward did
         weight = weight.to(hidden.dtype)
         bias = None if bias is None else bias.to(hidden.dtype)
-    n = hidden.shape[0]
-    if n <= chunk:  # one chunk: nothing to gain from recomputing it
-        return _chunk(hidden, weight, bias, targets, temperature)
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    parts = []
-    for i in range(0, n, chunk):
-        h, t = hidden[i : i + chunk], targets[i : i + chunk]
-        if grad:
-            parts.append(checkpoint(_chunk, h, weight, bias, t, temperature, use_reentrant=False))
-        else:
-            parts.append(_chunk(h, weight, bias, t, temperature))
+    parts = [_ChunkLogProbs.apply(hidden[i : i + chunk], weight, bias, targets[i : i + chunk], temperature)
+             for i in range(0, hidden.shape[0], chunk)]
+    if len(parts) == 1:
+        return parts[0]
     logp, entropy = zip(*parts)
     return torch.cat(logp), torch.cat(entropy)
 

@@ -64,17 +64,25 @@ def test_chunked_equals_full_in_values_and_gradients(tied, packed):
 
 
 def test_chunked_logprobs_of_a_linear_head_by_hand():
-    """Against log_softmax written out, with a biased head and a temperature."""
+    """Against log_softmax written out and autograd through it, with a biased head and a temperature."""
     torch.manual_seed(0)
     head = torch.nn.Linear(6, 11, bias=True)
     hidden = torch.randn(9, 6, requires_grad=True)
     targets = torch.randint(0, 11, (9,))
+    g = torch.randn(9)
     logp, ent = chunked_logprobs(hidden, head, targets, 2.0, chunk=4)
+    (logp * g).sum().backward()
+    got = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad = head.weight.grad = head.bias.grad = None
     logits = (hidden @ head.weight.T + head.bias) / 2.0
     p = logits.softmax(-1)
-    torch.testing.assert_close(logp, logits.log_softmax(-1)[torch.arange(9), targets])
+    ref = logits.log_softmax(-1)[torch.arange(9), targets]
+    torch.testing.assert_close(logp, ref)
     torch.testing.assert_close(ent, -(p * p.log()).sum(-1).detach())
     assert logp.requires_grad and not ent.requires_grad
+    (ref * g).sum().backward()
+    for a, b in zip(got, [hidden.grad, head.weight.grad, head.bias.grad]):
+        torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="logprob_chunk"):
         chunked_logprobs(hidden, head, targets, 1.0, chunk=0)
 

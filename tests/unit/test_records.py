@@ -46,7 +46,8 @@ def test_float32_log_probs_are_the_engine_values():
 
 
 def test_a_group_with_compact_records_keeps_its_staleness():
-    trajs = [Trajectory([1] * 4, [-0.1] * 4, [0, 0, 1, 2], completed_at=2), Trajectory([1] * 2, [-0.1] * 2, [1, 1], completed_at=1)]
+    trajs = [Trajectory([1] * 4, [-0.1] * 4, [0, 0, 1, 2], completed_at=2),
+             Trajectory([1] * 2, [-0.1] * 2, [1, 1], completed_at=1)]
     g = Group(0, "p", [1], "1", 0, trajs)
     k, k_gen, k_wait = g.staleness(4)
     # 6 tokens, Σ v = 5; K_gen = (4·2 − 3 + 2·1 − 2) / 6; K_wait = (4·(4 − 2) + 2·(4 − 1)) / 6
