@@ -134,6 +134,12 @@ class Trajectory:
         return {name: getattr(self, name) for name in self.__slots__} | {"_tok": self._tok[: self._n]}
 
     def __setstate__(self, state) -> None:
+        if "_tok" not in state:  # a checkpoint from before the compact record (a dataclass of lists)
+            state = dict(state)
+            fresh = Trajectory(state.pop("response_ids"), state.pop("logprobs"), state.pop("versions"),
+                               action_mask=state.pop("action_mask", None))
+            state.pop("text", None)
+            state |= {"_tok": fresh._tok, "_n": fresh._n, "_masked": fresh._masked}
         for name, value in state.items():
             setattr(self, name, value)
 

@@ -58,3 +58,13 @@ def test_a_group_with_compact_records_keeps_its_staleness():
 def test_mismatched_lengths_are_refused():
     with pytest.raises(ValueError, match="one log-prob, version"):
         Trajectory([1, 2], [-0.1], [0, 0])
+
+
+def test_a_checkpoint_from_before_the_compact_record_still_loads():
+    """Checkpoints written before issue #17 pickled Trajectory as a dataclass of lists (with `text`)."""
+    t = Trajectory.__new__(Trajectory)
+    t.__setstate__({"response_ids": [4, 5], "logprobs": [-0.5, -1.5], "versions": [2, 3], "completed_at": 3,
+                    "finish_reason": "stop", "text": "ab", "correct": True, "reward": 1.0, "advantage": 0.5,
+                    "action_mask": None, "tool_calls": 0, "tool_errors": 0})
+    assert t.response_ids.tolist() == [4, 5] and t.versions.tolist() == [2, 3] and t.action_mask is None
+    assert t.completed_at == 3 and t.correct and t.advantage == 0.5 and len(t) == 2
