@@ -13,7 +13,9 @@ backward and an AdamW step on one sequence (256 prompt tokens, the rest response
   (the trainer before issue #17; `full_logprobs` is that function).
 Each (path, length) runs in a process of its own, one after the other, so its peak resident
 size (VmHWM) is its own; printed side by side: peak RSS, its rise over the process with the model
-built, and seconds per update (median of 3 after a warm-up). Measure with nothing else running.
+built, and seconds per update (median of 3 after a warm-up). A run whose rise, extrapolated
+linearly from the previous length, would not fit in 90% of the available memory is not started
+(the old path needs ~3 MB per token at this vocabulary). Measure with nothing else running.
 """
 from __future__ import annotations
 
@@ -35,6 +37,13 @@ def _hwm_mib() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _available_mib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return float("inf")
 
 
 def one(path: str, tokens: int, chunk: int) -> dict:
@@ -76,6 +85,14 @@ def main() -> None:
     results = {}
     for n in args.lengths:
         for path in ("new", "old"):
+            prev = [r for (p, m), r in results.items() if p == path and r is not None]
+            if prev:  # the rise grows linearly with the tokens: do not start a run the machine cannot hold
+                need = (prev[-1]["peak_mib"] - prev[-1]["base_mib"]) * n / prev[-1]["tokens"] + prev[-1]["base_mib"]
+                if need > 0.9 * _available_mib():
+                    results[path, n] = {"skipped_mib": need}
+                    print(f"{path} at {n} tokens: skipped, needs ~{need:,.0f} MiB, {_available_mib():,.0f} available",
+                          file=sys.stderr)
+                    continue
             proc = subprocess.run([sys.executable, __file__, "--one", path, str(n), "--chunk", str(args.chunk)],
                                   capture_output=True, text=True)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -92,8 +109,16 @@ def main() -> None:
     for n in args.lengths:
         old, new = results["old", n], results["new", n]
         rise = lambda r: r["peak_mib"] - r["base_mib"]  # noqa: E731
-        cell = lambda r: "failed | –" if r is None else f"{r['peak_mib']:,.0f} ({rise(r):+,.0f}) | {r['seconds']:.2f}"  # noqa: E731
-        ratio = "–" if old is None or new is None else f"{rise(old) / max(rise(new), 1):.1f}x"
+
+        def cell(r):
+            if r is None:
+                return "failed | –"
+            if "skipped_mib" in r:
+                return f"not run: needs ~{r['skipped_mib']:,.0f} (extrapolated) | –"
+            return f"{r['peak_mib']:,.0f} ({rise(r):+,.0f}) | {r['seconds']:.2f}"
+
+        measured = old is not None and new is not None and "peak_mib" in old and "peak_mib" in new
+        ratio = f"{rise(old) / max(rise(new), 1):.1f}x" if measured else "–"
         print(f"| {n:,} | {cell(old)} | {cell(new)} | {ratio} |")
 
 
