@@ -22,7 +22,7 @@ from pace import checkpoint as ckpt
 from pace.config import ConfigError, register, validate
 from pace.memory import release_free_heap, rss_mib
 from pace.records import Fate
-from pace.rollout.worker import RolloutError
+from pace.rollout.errors import RolloutError
 from pace.tasks import loading
 from pace.tasks.math import DataError
 

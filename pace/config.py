@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pace.tasks.arithmetic import ArithmeticSpec
 from pace.tasks.tool_arithmetic import ToolArithmeticSpec
-from pace.tiny import TinySpec
+from pace.tiny_spec import TinySpec
 
 
 class ConfigError(ValueError):

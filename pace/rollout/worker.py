@@ -26,6 +26,7 @@ from collections import deque
 
 from pace.pool import Pool
 from pace.rollout import transfer
+from pace.rollout.errors import RolloutError
 from pace.rollout.fleet import EngineFleet
 from pace.rollout.generation import GenerationMixin
 from pace.rollout.rescoring import RescoringMixin
@@ -34,10 +35,6 @@ from pace.rollout.validating import Validation, ValidationMixin
 from pace.tasks.base import PromptSampler
 
 __all__ = ["RolloutError", "RolloutWorker", "Validation"]
-
-
-class RolloutError(RuntimeError):
-    """The rollout thread died; the message carries its traceback."""
 
 
 class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationMixin, threading.Thread):
