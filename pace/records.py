@@ -35,9 +35,11 @@ class Trajectory:
     """One response. ``logprobs[t]`` is ℓ^μ_t and ``versions[t]`` is v_t of response token t.
 
     The per-token record is one NumPy structured array (`TOKEN`, 13 bytes a token, where Python
-    lists took ~100), grown in chunks as the engine streams tokens (`extend`, amortised doubling)
-    and trimmed to its length when the response finishes (`finish`). ``response_ids``,
-    ``logprobs``, ``versions`` and ``action_mask`` are views of it (writable).
+    lists took ~100), trimmed to its length when the response finishes (`finish`). The engine
+    streams a few tokens per request and step: those are appended to short Python lists (as cheap
+    as before on the rollout thread, which holds the GIL the trainer needs) and moved into the array
+    in chunks of `FLUSH` tokens (amortised doubling), or when the record is read. ``response_ids``,
+    ``logprobs``, ``versions`` and ``action_mask`` are views of the array (writable).
 
     In a multi-turn tool rollout the response also holds tool-output tokens: context the policy
     did not choose. ``action_mask[t]`` is False for those (their log-prob and version entries are
@@ -45,8 +47,9 @@ class Trajectory:
     (DESIGN §2 averages over model-generated tokens). None: every token is an action.
     """
 
-    __slots__ = ("_tok", "_n", "_masked", "completed_at", "finish_reason", "correct", "reward", "advantage",
-                 "tool_calls", "tool_errors")
+    __slots__ = ("_tok", "_n", "_masked", "_stream", "completed_at", "finish_reason", "correct", "reward",
+                 "advantage", "tool_calls", "tool_errors")
+    FLUSH = 256  # streamed tokens held in Python lists before they move into the array
 
     def __init__(self, response_ids=(), logprobs=(), versions=(), completed_at: int = -1, finish_reason: str = "",
                  correct: bool = False, reward: float = 0.0, advantage: float = 0.0, action_mask=None,
@@ -58,6 +61,7 @@ class Trajectory:
         self._tok = np.empty(n, dtype=TOKEN)
         self._n = n
         self._masked = action_mask is not None
+        self._stream = None  # [ids, log-probs, versions]: streamed tokens not yet in the array (all actions)
         self._tok["id"], self._tok["logprob"], self._tok["version"] = response_ids, logprobs, versions
         self._tok["action"] = True if action_mask is None else action_mask
         self.completed_at = completed_at  # c(τ): trainer version when the last token was produced
@@ -74,7 +78,21 @@ class Trajectory:
         k = len(ids)
         if k == 0:
             return
-        n = self._n
+        if action and isinstance(version, int):  # the engine's stream: a few tokens per step
+            if self._stream is None:
+                self._stream = [[], [], []]
+            s_ids, s_lps, s_vs = self._stream
+            s_ids.extend(ids)
+            s_lps.extend(logprobs)
+            s_vs.extend([version] * k)
+            if len(s_ids) >= self.FLUSH:
+                self._flush()
+            return
+        self._flush()
+        self._append(ids, logprobs, version, action)
+
+    def _append(self, ids, logprobs, version, action) -> None:
+        n, k = self._n, len(ids)
         if n + k > len(self._tok):
             grown = np.empty(max(16, 2 * len(self._tok), n + k), dtype=TOKEN)
             grown[:n] = self._tok[:n]
@@ -84,35 +102,46 @@ class Trajectory:
         self._masked = self._masked or not action
         self._n = n + k
 
+    def _flush(self) -> None:
+        if self._stream is not None:
+            ids, lps, vs = self._stream
+            self._stream = None
+            self._append(ids, lps, vs, True)
+
     def finish(self) -> None:
         """Drop the spare capacity of growth (a finished response does not grow)."""
+        self._flush()
         if len(self._tok) != self._n:
             self._tok = self._tok[: self._n].copy()
 
     # --- per-token views ----------------------------------------------------------------------
     def __len__(self) -> int:
-        return self._n
+        return self._n + (0 if self._stream is None else len(self._stream[0]))
+
+    def _field(self, name: str) -> np.ndarray:
+        self._flush()
+        return self._tok[name][: self._n]
 
     @property
     def response_ids(self) -> np.ndarray:
-        return self._tok["id"][: self._n]
+        return self._field("id")
 
     @property
     def logprobs(self) -> np.ndarray:
-        return self._tok["logprob"][: self._n]
+        return self._field("logprob")
 
     @property
     def versions(self) -> np.ndarray:
-        return self._tok["version"][: self._n]
+        return self._field("version")
 
     @property
     def action_mask(self) -> np.ndarray | None:
-        return self._tok["action"][: self._n] if self._masked else None
+        return self._field("action") if self._masked else None
 
     @property
     def num_actions(self) -> int:
         """Model-generated tokens (the loss's token count)."""
-        return self._n if not self._masked else int(self.action_mask.sum())
+        return len(self) if not self._masked else int(self.action_mask.sum())
 
     @property
     def action_ids(self) -> np.ndarray:
@@ -126,11 +155,13 @@ class Trajectory:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the per-token record (capacity included)."""
+        """Host bytes of the per-token array (capacity included; streamed tokens moved into it first)."""
+        self._flush()
         return self._tok.nbytes
 
     # --- pickling (checkpoints, the trainer's scatter): the record without spare capacity -----
     def __getstate__(self):
+        self._flush()
         return {name: getattr(self, name) for name in self.__slots__} | {"_tok": self._tok[: self._n]}
 
     def __setstate__(self, state) -> None:
@@ -140,11 +171,12 @@ class Trajectory:
                                action_mask=state.pop("action_mask", None))
             state.pop("text", None)
             state |= {"_tok": fresh._tok, "_n": fresh._n, "_masked": fresh._masked}
+        state = {"_stream": None} | state
         for name, value in state.items():
             setattr(self, name, value)
 
     def __repr__(self) -> str:
-        return (f"Trajectory({self._n} tokens, versions {self.versions[:1].tolist()}..{self.versions[-1:].tolist()}, "
+        return (f"Trajectory({len(self)} tokens, versions {self.versions[:1].tolist()}..{self.versions[-1:].tolist()}, "
                 f"completed_at={self.completed_at}, finish_reason={self.finish_reason!r}, reward={self.reward})")
 
 

@@ -28,15 +28,17 @@ def test_streamed_chunks_equal_a_trajectory_built_at_once():
 
 def test_finish_trims_growth_and_pickle_keeps_only_the_tokens():
     t = Trajectory()
-    for i in range(100):
+    for i in range(600):  # one token per engine step: into the array by FLUSH = 256 at a time
         t.extend([i], [-0.1], i // 10)
-    assert t.nbytes > 100 * TOKEN.itemsize  # doubling left spare capacity
+        assert len(t) == i + 1
+    assert t.nbytes > 600 * TOKEN.itemsize  # doubling left spare capacity
     back = pickle.loads(pickle.dumps(t))
-    assert back.nbytes == 100 * TOKEN.itemsize == 1300 and np.array_equal(back.versions, t.versions)
+    assert back.nbytes == 600 * TOKEN.itemsize == 7800 and np.array_equal(back.versions, t.versions)
+    assert back.response_ids.tolist() == list(range(600))
     t.finish()
-    assert t.nbytes == 1300 and t.versions[-1] == 9
-    t.versions[95:] = 10  # vLLM's spans replace the rollout's stamps in place
-    assert t.versions[-5:].tolist() == [10] * 5
+    assert t.nbytes == 7800 and t.versions[-1] == 59
+    t.versions[595:] = 60  # vLLM's spans replace the rollout's stamps in place
+    assert t.versions[-5:].tolist() == [60] * 5
 
 
 def test_float32_log_probs_are_the_engine_values():
