@@ -40,8 +40,13 @@ def test_every_policy_runs_with_tools(tiny_tool_model_path, tmp_path, preset, ex
     assert (used.num_actions < used.num_tokens).all()  # tool output is not counted as actions
     assert (complete[calls == 0].num_actions == complete[calls == 0].num_tokens).all()
     for m in metrics:
-        assert 0 <= m["tools/used_frac"] <= 1 and m["train/action_len"] <= m["train/response_len"]
+        assert m["train/action_len"] <= m["train/response_len"]
         assert "time/tools" in m and "tools/errors/timeout" in m
+        # tool use of the responses completed during the step: none in a step where no group completed
+        # (seen with PACE at a pool target of B, which trains on the backlog)
+        assert ("tools/used_frac" in m) == (m["rollout/groups_completed"] > 0), m
+        assert 0 <= m.get("tools/used_frac", 0) <= 1
+    assert any("tools/used_frac" in m for m in metrics)
     if "pace" in preset:
         assert (groups.fate == "rejected").any()
         check_pace_decisions(groups, gamma=1.0)
