@@ -14,8 +14,11 @@ NumPy structured array, streamed in engine-sized chunks and trimmed at the end),
 the response tokens (the groups' prompts included in the bytes). Two regimes: the tiny lab's
 (G = 8, 10–120 tokens, 12-token prompts, vocabulary 128: its token ids are cached small ints) and
 the 8B presets' (G = 16, log-normal lengths of median 3k capped at 20,480, 150-token prompts,
-vocabulary 151,936). Each response also costs a fixed ~300 bytes (its object, the array's header,
-its reward and advantage), which is what the tiny regime's short responses pay per token.
+vocabulary 151,936). Each response also costs a fixed ~240 bytes (its object 120, its array's
+header 120) and each group ~550 (the Group, its prompt-id list, its trajectory list and dicts): at
+the tiny lab's 65 tokens a response that is ~4.8 bytes a token on top of the record's 13, which is
+why the tiny regime stays above 16 where the 8B presets' lengths (which set the pool's host memory)
+are at ~13.
 
 Runs the same async tiny run twice, one after the other: with `pool.capacity=<C>` and with no cap
 (`pool.capacity=null`). B = 8 groups per step, trained in micro-batches of 2 sequences (slow
@@ -107,10 +110,11 @@ def bytes_per_token(regime: str, groups: int) -> dict:
     data = list(_responses(regime, groups))
     tokens = sum(len(ids) for ids, _, _ in data)
     per_group = len(data) // groups
-    prompt = 12 if regime == "tiny" else 150  # "12+34*5=?\n" in characters; a DAPO-Math prompt in Qwen3 tokens
+    # "12+34*5=?\n" in characters (ids < 128: cached small ints); a DAPO-Math prompt in Qwen3 tokens
+    prompt = range(20, 32) if regime == "tiny" else range(1000, 1150)
 
     def pool(make):
-        return [Group(k, f"p{k}", list(range(1000, 1000 + prompt)), "0", 0,
+        return [Group(k, f"p{k}", list(prompt), "0", 0,
                       [make(*data[k * per_group + j]) for j in range(per_group)]) for k in range(groups)]
 
     old, _ = _traced(lambda: pool(lambda i, lp, v: ListTrajectory(i.tolist(), lp.tolist(), v.tolist(), 1, "stop")))
