@@ -167,9 +167,11 @@ def test_multirun_sweep_runs_each_job_in_its_own_directory(tiny_model_path, tmp_
 
 
 def test_pace_run_rejects_and_logs_scores(tiny_model_path, tmp_path):
-    # A small target pool forces rejections within a few steps.
-    proc = run_train(["+exp=pace_tiny", "trainer.steps=6", *SMALL, "pace.target_pool=8", "pace.ema=0.0",
-                      "logger.mode=disabled"], tmp_path)
+    # A small target pool and production well ahead of training (B = 4, 32 groups in flight) force
+    # rejections and rescoring within a few steps: rescoring runs only after a sync that finds the
+    # pool over its target, which at B = 8 with 16 in flight happened in 0 of 6 steps in some runs.
+    proc = run_train(["+exp=pace_tiny", "trainer.steps=8", "data.batch_prompts=4", "rollout.max_inflight_groups=32",
+                      "eval.every=0", "pace.target_pool=4", "pace.ema=0.0", "logger.mode=disabled"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics, groups, summary = _read(tmp_path)
     _check_accounting(groups, summary)
