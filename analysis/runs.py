@@ -47,7 +47,16 @@ def method_label(cfg: dict) -> str:
     """The method's name in figures and tables, from the config: Sync, Async, Stale-4, PACE γ=2, …"""
     pool, algo, pace = cfg.get("pool", {}), cfg.get("algo", {}), cfg.get("pace", {})
     if algo.get("name") == "m2po":
-        return "M2PO"
+        return "M2PO" if algo.get("m2po_variant", "paper") == "paper" else "M2PO (adaptive clip)"
+    label = _base_label(pool, algo, pace)
+    kind = algo.get("is_correction", "none")
+    if kind == "none":
+        return label
+    level = algo.get("is_level", "token")
+    return f"{label} + {kind.upper()}" + ("" if level == "token" else f" ({level})")
+
+
+def _base_label(pool: dict, algo: dict, pace: dict) -> str:
     name = pool.get("name", "async")
     if name == "sync":
         return "Sync"

@@ -144,12 +144,22 @@ class AlgoConfig:
     name: str = "dapo"
     eps_low: float = 0.2
     eps_high: float = 0.28
-    clip_ratio_c: Optional[float] = 3.0  # dual clip for A < 0 (verl's DAPO recipe); null disables
-    ratio_ref: str = "behavior"  # behavior (π_θ/μ) | proximal (decoupled PPO: π_θ/π_prox × min(π_prox/μ, is_cap))
-    is_cap: Optional[float] = 5.0  # proximal: cap of the behaviour weight π_prox/μ (the paper gives none)
-    m2_threshold: float = 0.04  # algo.name=m2po: τ, mean second moment of log π_θ − log μ kept
+    clip_ratio_c: Optional[float] = 3.0  # dual clip for A < 0 (verl's DAPO recipe), > 1; null disables
+    ratio_ref: str = "behavior"  # behavior (π_θ/μ) | proximal (decoupled PPO: π_θ/π_prox × w(π_prox/μ))
+    # Importance-sampling correction of ρ = π_prox/μ (proximal) or sg(π_θ)/μ (behavior), pace/algo/correction.py:
+    # none | tis (truncate at is_threshold) | mis (mask outside [is_threshold_lower, is_threshold])
+    is_correction: str = "none"
+    is_level: str = "token"  # token | sequence (Π ρ) | geometric ((Π ρ)^(1/n); mis only)
+    is_threshold: Optional[float] = None  # C; needed by tis and mis
+    is_threshold_lower: Optional[float] = None  # mis: lower bound; null: 1/C
+    m2_threshold: float = 0.04  # algo.name=m2po: τ, the trust-region tokens' second-moment budget
+    m2po_variant: str = "paper"  # paper (Algorithm 1: mask, no clip) | adaptive_clip (the authors' code)
+    m2po_eps_low_min: float = 0.3  # adaptive_clip: ε_low at least this (the authors' miniclip_low)
+    m2po_eps_high_max: float = 0.5  # adaptive_clip: ε_high at most this (the authors' miniclip_high)
     filter_on: str = "acc"  # dynamic sampling on correctness (DAPO's recipe) or on the shaped reward
     adv_eps: float = 1e-6
+    # group-advantage std with Bessel's correction (n − 1), as verl's DAPO recipe (torch.std) and AReaL
+    std_unbiased: bool = True
 
 
 @dataclass
@@ -244,6 +254,9 @@ _CHOICES = {
     "pace.score": ("effective", "raw", "generation"),
     "algo.name": ("dapo", "m2po"),
     "algo.ratio_ref": ("behavior", "proximal"),
+    "algo.is_correction": ("none", "tis", "mis"),
+    "algo.is_level": ("token", "sequence", "geometric"),
+    "algo.m2po_variant": ("paper", "adaptive_clip"),
     "algo.filter_on": ("acc", "reward"),
     "logger.mode": ("online", "offline", "disabled"),
     "rollout.cpu_threads_bind": ("nobind", "auto"),
@@ -317,6 +330,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("pace.gamma must be >= 0, pace.score_window and pace.prefix_tokens >= 1")
     if cfg.algo.name == "m2po" and cfg.algo.ratio_ref != "behavior":
         raise ConfigError("algo.name=m2po masks against the behaviour policy: it needs algo.ratio_ref=behavior")
+    _check_algo(cfg.algo)
     if cfg.data.source == "math" and not cfg.data.path:
         raise ConfigError("data.source=math needs data.path (a hub id or a local file)")
     if cfg.rollout.max_tool_calls < 0 or cfg.tools.warm < 0:
@@ -335,6 +349,23 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("rollout.engine_process=inproc runs one engine: set rollout.engines=1 or engine_process=child")
     if cfg.rollout.deterministic and cfg.rollout.engine_process == "child":
         raise ConfigError("rollout.deterministic needs the engine stepped by the rollout thread: rollout.engine_process=inproc")
+
+
+def _check_algo(algo) -> None:
+    if algo.clip_ratio_c is not None and not algo.clip_ratio_c > 1:
+        raise ConfigError(f"algo.clip_ratio_c={algo.clip_ratio_c}: the dual clip bounds −A·r by −A·c for A < 0, so c must be > 1 "
+                          "(null disables it)")
+    if algo.name == "m2po" and algo.is_correction != "none":
+        raise ConfigError("algo.name=m2po is its own off-policy correction: it needs algo.is_correction=none")
+    if algo.is_correction != "none" and not (algo.is_threshold is not None and algo.is_threshold > 0):
+        raise ConfigError(f"algo.is_correction={algo.is_correction} needs algo.is_threshold > 0, got {algo.is_threshold}")
+    if algo.is_correction == "tis" and algo.is_level == "geometric":
+        raise ConfigError("algo.is_level=geometric is a rejection criterion: it needs algo.is_correction=mis")
+    low = algo.is_threshold_lower
+    if low is not None and (algo.is_correction != "mis" or not 0 <= low < algo.is_threshold):
+        raise ConfigError(f"algo.is_threshold_lower={low}: needs algo.is_correction=mis and 0 <= it < algo.is_threshold")
+    if not (algo.m2_threshold > 0 and 0 <= algo.m2po_eps_low_min <= 1 and algo.m2po_eps_high_max >= 0):
+        raise ConfigError("algo.m2_threshold must be > 0, algo.m2po_eps_low_min in [0, 1], algo.m2po_eps_high_max >= 0")
 
 
 def _check_schema(cfg: DictConfig) -> None:

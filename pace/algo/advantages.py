@@ -27,16 +27,19 @@ def correctness_reward(correct: bool) -> float:
     return 1.0 if correct else -1.0
 
 
-def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
-    """A_i = (r_i − mean(r)) / (std(r) + eps), population std, within one group (no KL, no critic).
+def group_advantages(rewards: Sequence[float], eps: float = 1e-6, unbiased: bool = True) -> list[float]:
+    """A_i = (r_i − mean(r)) / (std(r) + eps) within one group (no KL, no critic); std with
+    Bessel's correction (divided by n − 1, as ``torch.std`` in verl's DAPO recipe and AReaL) or
+    without (``unbiased=False``: the population std, divided by n).
 
     A group whose rewards are all equal gets zero advantages; dynamic sampling filters such
     groups before they reach the trainer.
     """
-    if len(rewards) == 0:
-        raise ValueError("a group needs at least one reward")
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    n = len(rewards)
+    if n == 0 or (unbiased and n < 2):
+        raise ValueError(f"a group needs at least {2 if unbiased else 1} rewards, got {n}")
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1 if unbiased else n))
     return [(r - mean) / (std + eps) for r in rewards]
 
 

@@ -17,8 +17,9 @@ class LossOut:
     loss: torch.Tensor  # scalar to backpropagate
     clipped: torch.Tensor  # scalar: number of counted tokens where a clip was active
     ratio_sum: torch.Tensor  # scalar: Σ ratio over counted tokens (for the mean ratio metric)
-    masked: torch.Tensor | None = None  # m2po_loss: scalar number of counted tokens it masked out
-    weight_sum: torch.Tensor | None = None  # decoupled_loss: Σ min(π_prox/μ, is_cap) over counted tokens
+    masked: torch.Tensor | None = None  # scalar: counted tokens masked out (M2PO, a rejection correction)
+    truncated: torch.Tensor | None = None  # scalar: counted tokens whose IS weight was truncated (TIS)
+    weight_sum: torch.Tensor | None = None  # scalar: Σ IS weight w_t over counted tokens
 
 
 def _surrogate(
@@ -46,50 +47,27 @@ def dapo_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     clip_ratio_c: float | None = 3.0,
+    weight: torch.Tensor | None = None,
 ) -> LossOut:
     """Clip-higher PPO surrogate with the behaviour policy as ratio reference (``algo.ratio_ref=behavior``).
 
     r_t = exp(log π_θ − log μ); per token  L_t = max(−A r_t, −A clip(r_t, 1 − ε_low, 1 + ε_high)).
     With ``clip_ratio_c`` (dual clip, as in verl's DAPO recipe), tokens with A < 0 are further
     bounded by −A·c so a very stale token with a huge ratio cannot dominate the batch.
+
+    ``weight`` (detached, per token; e.g. the 0/1 mask of a rejection correction): the surrogate
+    of token t is multiplied by it; ``clipped`` then counts the tokens of non-zero weight only.
     """
     mask = mask.to(logp.dtype)
     log_ratio = (logp - logp_behavior).clamp(-20.0, 20.0)  # keeps exp finite on pathological tokens
     ratio = torch.exp(log_ratio)
     per_token, clipped = _surrogate(ratio, advantages, eps_low, eps_high, clip_ratio_c)
+    counted = mask if weight is None else mask * weight.detach().to(logp.dtype)
     return LossOut(
-        loss=(per_token * mask).sum() / num_tokens,
-        clipped=(clipped * mask).sum().detach(),
+        loss=(per_token * counted).sum() / num_tokens,
+        clipped=(clipped * (counted != 0).to(logp.dtype)).sum().detach(),
         ratio_sum=(ratio * mask).sum().detach(),
     )
-
-
-def m2_keep_mask(d: torch.Tensor, mask: torch.Tensor, m2_threshold: float) -> tuple[torch.Tensor, int]:
-    """M2PO masking decision: 0/1 mask (same shape/dtype as ``mask``) of the counted tokens to keep.
-
-    Among the counted tokens (mask > 0) the k tokens with the largest d² are dropped, k the smallest
-    integer such that the mean d² of the remaining counted tokens is ≤ τ (an empty remainder counts as
-    mean 0). Removing the current largest never raises the mean of the rest, so the remaining mean
-    is non-increasing in k and the first k that satisfies the bound is the minimal one. Ties are
-    broken by position (stable sort), so exactly k tokens are dropped. Computed in float64, detached.
-    """
-    keep_flat = mask.detach().reshape(-1).clone()  # a fresh flat copy, whatever the strides of ``mask``
-    idx = torch.nonzero(keep_flat > 0, as_tuple=True)[0]
-    n = idx.numel()
-    if n == 0:
-        return keep_flat.reshape(mask.shape), 0
-    d2 = d.detach().reshape(-1)[idx].to(torch.float64).square()
-    order = torch.argsort(d2, descending=True, stable=True)
-    d2_sorted = d2[order]
-    # suffix[k] = Σ_{j≥k} d2_sorted[j] = Σ d² of the tokens left after dropping the top k (k = 0..n-1);
-    # summed from the smallest up (flip-cumsum-flip) so it is not a difference of large numbers.
-    suffix = torch.flip(torch.cumsum(torch.flip(d2_sorted, [0]), 0), [0])
-    remaining = torch.arange(n, 0, -1, dtype=torch.float64, device=d2.device)  # n - k
-    ok = suffix / remaining <= m2_threshold
-    k = int(torch.argmax(ok.to(torch.int8)).item()) if bool(ok.any()) else n
-    if k:
-        keep_flat[idx[order[:k]]] = 0
-    return keep_flat.reshape(mask.shape), k
 
 
 def m2po_loss(
@@ -97,44 +75,54 @@ def m2po_loss(
     logp_behavior: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    keep: torch.Tensor,
     num_tokens: int | float,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    clip_ratio_c: float | None = 3.0,
-    m2_threshold: float = 0.04,
 ) -> LossOut:
-    """M2PO baseline (``algo=m2po``, "Second-Moment Trust Policy Optimization"), DESIGN §4.
+    """M2PO's objective (``algo=m2po``, ``algo.m2po_variant=paper``; Algorithm 1), DESIGN §4.
 
-    d_t = log π_θ − log μ (detached for the decision). With M2 = mean of d_t² over the counted tokens,
-    if M2 > τ = ``m2_threshold`` the counted tokens with the largest d_t² are masked out, greedily
-    from the largest down, until the mean d_t² of the remaining counted tokens is ≤ τ (the minimal
-    number of tokens; see :func:`m2_keep_mask`). If M2 ≤ τ nothing is masked and the result equals
-    :func:`dapo_loss` exactly.
+    L_t = −A_t r_t on the tokens ``keep`` holds (the mini-batch decision of
+    `pace.algo.m2po.keep_mask`, made before the update), no clip; the sum is divided by
+    ``num_tokens``, the counted tokens *before* masking (the project's token-level normalisation),
+    so a masked token lowers the loss magnitude rather than reweighting the others.
 
-    Choice: the paper's M2PO uses no ratio clipping, but here it replaces DAPO's loss, so on the kept
-    tokens we apply the same clip-higher + dual-clip surrogate as ``dapo_loss``; the only difference
-    from ``dapo_loss`` is the masking. The sum is divided by ``num_tokens`` (the counted tokens
-    *before* masking), so masking lowers the loss magnitude instead of reweighting the other tokens.
-
-    The masking decision is made per call, over the tokens passed in: to mask on the mini-batch
-    second moment the trainer must pass the whole mini-batch (on each rank); with micro-batching it
-    is a per-micro-batch decision.
-
-    Outputs: ``clipped`` counts clip events on the kept tokens only (masked tokens are not in the
-    loss); ``ratio_sum`` is Σ π_θ/μ over all counted tokens (the staleness metric, divided by the
-    trainer's counted-token total); ``masked`` is the number of tokens masked.
+    ``clipped`` is 0 (nothing is clipped); ``ratio_sum`` is Σ r over all counted tokens;
+    ``masked`` the counted tokens not kept.
     """
-    keep, k = m2_keep_mask(logp - logp_behavior, mask, m2_threshold)
     mask = mask.to(logp.dtype)
-    keep = keep.to(logp.dtype)
-    log_ratio = (logp - logp_behavior).clamp(-20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    per_token, clipped = _surrogate(ratio, advantages, eps_low, eps_high, clip_ratio_c)
+    keep = keep.detach().to(logp.dtype) * mask
+    ratio = torch.exp((logp - logp_behavior).clamp(-20.0, 20.0))
     return LossOut(
-        loss=(per_token * keep).sum() / num_tokens,
-        clipped=(clipped * keep).sum().detach(),
+        loss=(-advantages * ratio * keep).sum() / num_tokens,
+        clipped=torch.zeros((), dtype=logp.dtype, device=logp.device),
         ratio_sum=(ratio * mask).sum().detach(),
-        masked=torch.tensor(float(k), dtype=logp.dtype, device=logp.device),
+        masked=(mask - keep).sum().detach(),
+    )
+
+
+def tis_pg_loss(
+    logp: torch.Tensor,
+    logp_behavior: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weight: torch.Tensor,
+    num_tokens: int | float,
+) -> LossOut:
+    """Truncated-IS policy gradient under the behaviour reference (``algo.ratio_ref=behavior``
+    with ``algo.is_correction=tis``: verl's bypass mode with the policy-gradient loss, ``pg_is``).
+
+    ∇L = −Σ A_t w_t ∇log π_θ / num_tokens with w_t the truncated ratio (detached, from
+    `pace.algo.correction.correct` on log π_θ − log μ), no PPO clip: the truncation bounds the
+    step instead. Written as L_t = −A_t · sg(w_t / r_t) · r_t, whose value is −A_t w_t and whose
+    gradient is the one above (r_t = π_θ/μ).
+    """
+    mask = mask.to(logp.dtype)
+    ratio = torch.exp((logp - logp_behavior).clamp(-20.0, 20.0))
+    scale = (weight.detach().to(logp.dtype) / ratio.detach()) * mask
+    return LossOut(
+        loss=(-advantages * scale * ratio).sum() / num_tokens,
+        clipped=torch.zeros((), dtype=logp.dtype, device=logp.device),
+        ratio_sum=(ratio * mask).sum().detach(),
+        weight_sum=(weight.detach() * mask).sum(),
     )
 
 
@@ -149,17 +137,17 @@ def decoupled_loss(
     eps_high: float = 0.28,
     clip_ratio_c: float | None = 3.0,
     *,
-    is_cap: float | None,
+    weight: torch.Tensor | None = None,
 ) -> LossOut:
     """Decoupled PPO (``algo.ratio_ref=proximal``, as in AReaL), DESIGN §4.
 
     r_t = exp(log π_θ − log π_prox), with π_prox the policy at the start of step j (recomputed by the
     trainer); per token  L_t = w_t · surrogate(r_t, A_t)  with the same clip-higher + dual-clip
-    surrogate as ``dapo_loss`` and the behaviour importance weight
-    w_t = min(exp(log π_prox − log μ), ``is_cap``)  (no cap when ``is_cap`` is None; keyword-only and
-    required, so the caller passes ``algo.is_cap`` explicitly rather than relying on a made-up default).
-    ``logp_prox`` and w_t are detached, so the gradient reaches ``logp`` only through r_t.
-    With logp_prox == logp_behavior, w_t = 1 and this equals ``dapo_loss`` exactly.
+    surrogate as ``dapo_loss`` and the behaviour importance weight w_t: ``weight`` when given (the
+    processed ratio of `pace.algo.correction.correct`: truncated by TIS, 0 where MIS masks), else
+    the raw ρ_t = exp(log π_prox − log μ). ``logp_prox`` and w_t are detached, so the gradient
+    reaches ``logp`` only through r_t. With logp_prox == logp_behavior and no weight, w_t = 1 and
+    this equals ``dapo_loss`` exactly.
 
     ``clipped`` counts clip events of r_t; ``ratio_sum`` is Σ r_t = Σ π_θ/π_prox; ``weight_sum`` is Σ w_t
     (all over counted tokens).
@@ -167,9 +155,9 @@ def decoupled_loss(
     mask = mask.to(logp.dtype)
     logp_prox = logp_prox.detach()
     ratio = torch.exp((logp - logp_prox).clamp(-20.0, 20.0))
-    weight = torch.exp((logp_prox - logp_behavior.detach()).clamp(-20.0, 20.0))
-    if is_cap is not None:
-        weight = weight.clamp(max=is_cap)
+    if weight is None:
+        weight = torch.exp((logp_prox - logp_behavior.detach()).clamp(-20.0, 20.0))
+    weight = weight.detach().to(logp.dtype)
     per_token, clipped = _surrogate(ratio, advantages, eps_low, eps_high, clip_ratio_c)
     return LossOut(
         loss=(per_token * weight * mask).sum() / num_tokens,

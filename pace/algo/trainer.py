@@ -26,23 +26,52 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pace.algo import microbatch
+from pace.algo import correction, m2po, microbatch
 from pace.algo.logprobs import response_logprobs
-from pace.algo.loss import LossOut, dapo_loss, decoupled_loss, m2po_loss
+from pace.algo.loss import LossOut, dapo_loss, decoupled_loss, m2po_loss, tis_pg_loss
 from pace.records import Batch, Trajectory
 
 Pair = tuple[list[int], Trajectory]  # (prompt ids, response)
 
 
 def build_loss(algo) -> Callable[[torch.Tensor, dict, float], LossOut]:
-    """The configured loss as fn(logp, batch tensors, num_tokens): one pure function per variant."""
+    """The configured loss as fn(logp, batch tensors, num_tokens): one pure function per variant.
+
+    M2PO reads its mini-batch decision from the batch (``m2po_keep`` or ``m2po_eps``, made by
+    `DAPOTrainer._m2po_decide`); the IS corrections are computed per call from ρ = π_prox/μ
+    (proximal) or sg(π_θ)/μ (behaviour), exact per sequence (a sequence never spans calls).
+    """
     clip = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c)
     if algo.name == "m2po":
-        return lambda logp, b, n: m2po_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n,
-                                            m2_threshold=algo.m2_threshold, **clip)
+        if algo.m2po_variant == "paper":
+            return lambda logp, b, n: m2po_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], b["m2po_keep"], n)
+        return lambda logp, b, n: dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n,
+                                            eps_low=b["m2po_eps"][0], eps_high=b["m2po_eps"][1], clip_ratio_c=None)
+
+    def corrected(log_rho: torch.Tensor, b: dict) -> correction.Correction:
+        return correction.correct(log_rho, b["loss_mask"], b["seq_ids"], int(b["n_seqs"]), algo.is_correction,
+                                  algo.is_level, algo.is_threshold, algo.is_threshold_lower)
+
+    def with_counts(out: LossOut, c: correction.Correction) -> LossOut:
+        out.masked, out.truncated = c.masked, c.truncated
+        return out
+
     if algo.ratio_ref == "proximal":
-        return lambda logp, b, n: decoupled_loss(logp, b["logp_prox"], b["logp_behavior"], b["advantages"],
-                                                 b["loss_mask"], n, is_cap=algo.is_cap, **clip)
+        def proximal(logp, b, n):
+            c = corrected(b["logp_prox"] - b["logp_behavior"], b)
+            return with_counts(decoupled_loss(logp, b["logp_prox"], b["logp_behavior"], b["advantages"], b["loss_mask"], n,
+                                              weight=c.weight, **clip), c)
+        return proximal
+    if algo.is_correction == "tis":
+        def truncated(logp, b, n):
+            c = corrected(logp.detach() - b["logp_behavior"], b)
+            return with_counts(tis_pg_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], c.weight, n), c)
+        return truncated
+    if algo.is_correction == "mis":
+        def masked(logp, b, n):
+            c = corrected(logp.detach() - b["logp_behavior"], b)
+            return with_counts(dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n, weight=c.keep, **clip), c)
+        return masked
     return lambda logp, b, n: dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n, **clip)
 
 
@@ -54,8 +83,9 @@ def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = Fa
     masks attention within each sequence: varlen flash-attention, or a block mask for SDPA).
     Position p predicts token p+1, so response token t of a sequence with prompt length n_p is
     scored by the hidden state at n_p − 1 + t: ``index`` holds those positions in the flattened
-    [R·L] layout. ``targets``, ``loss_mask`` (the action mask), ``logp_behavior`` and
-    ``advantages`` are aligned with ``index``; ``pad_tokens``/``slots`` count the padding.
+    [R·L] layout. ``targets``, ``loss_mask`` (the action mask), ``logp_behavior``, ``advantages``,
+    ``versions`` (v_t) and ``seq_ids`` (the sequence of each token, 0..``n_seqs``−1) are aligned
+    with ``index``; ``pad_tokens``/``slots`` count the padding.
     """
     seqs = [np.concatenate([np.asarray(p, dtype=np.int64), t.response_ids.astype(np.int64)]) for p, t in zip(prompts, trajs)]
     lengths = np.array([len(s) for s in seqs])
@@ -84,6 +114,9 @@ def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = Fa
         "loss_mask": torch.from_numpy(mask.astype(np.float32)),
         "logp_behavior": torch.from_numpy(np.concatenate([t.logprobs for t in trajs]).astype(np.float32)),
         "advantages": torch.from_numpy(np.repeat(np.array([t.advantage for t in trajs], dtype=np.float32), n_resp)),
+        "versions": torch.from_numpy(np.concatenate([t.versions for t in trajs]).astype(np.int64)),
+        "seq_ids": torch.from_numpy(np.repeat(np.arange(len(trajs)), n_resp)),
+        "n_seqs": torch.tensor(len(trajs)),
         "pad_tokens": torch.tensor(float(input_ids.size - lengths.sum())),
         "slots": torch.tensor(float(input_ids.size)),
     }
@@ -143,16 +176,20 @@ class DAPOTrainer:
         n_mini = self.cfg.trainer.mini_batches
         prox = self._proximal_logprobs(plans) if self.proximal else None
         self.model.train()
-        keys = ("loss", "clipped", "tokens", "entropy", "ratio", "grad_norm", "skipped", "pad_tokens", "slots", "micro_batches")
-        totals = dict.fromkeys(keys, 0.0)
-        for micro_batches in plans:
-            stats = self._update(micro_batches, prox)
-            for k in totals:
-                totals[k] += stats[k]
+        totals: dict[str, float] = {}
+        m2po_stats: list[dict] = []
+        for m, micro_batches in enumerate(plans):
+            # train–inference mismatch on the weights of this version: every token of the proximal
+            # pass, or the first mini-batch's forwards (later ones run on updated weights)
+            stats = self._update(micro_batches, prox, measure=self.proximal or m == 0)
+            if "m2po" in stats:
+                m2po_stats.append(stats.pop("m2po"))
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
         self.version += 1
         self.mid_step = False
         tokens = max(totals["tokens"], 1.0)
-        return {
+        out = {
             "train/loss": totals["loss"] / n_mini,
             "train/clipfrac": totals["clipped"] / tokens,
             "train/entropy": totals["entropy"] / tokens,
@@ -162,8 +199,22 @@ class DAPOTrainer:
             "train/nonfinite_skipped": int(totals["skipped"]),
             "train/pad_frac": totals["pad_tokens"] / max(totals["slots"], 1.0),
             "train/micro_batches": totals["micro_batches"] / n_mini,
+            "mismatch/tokens": int(totals["mm_tokens"]),
             "time/train": time.perf_counter() - t0,
         }
+        if totals["mm_tokens"]:
+            out["mismatch/abs_logp_diff"] = totals["mm_abs_logp_diff"] / totals["mm_tokens"]
+            out["mismatch/k3_kl"] = totals["mm_k3_kl"] / totals["mm_tokens"]
+        if self.cfg.algo.name != "m2po" and self.cfg.algo.is_correction != "none":
+            out["mismatch/masked_frac"] = totals["masked"] / tokens
+            out["mismatch/truncated_frac"] = totals["truncated"] / tokens
+        if m2po_stats:
+            out["m2po/masked_frac"] = totals["masked"] / tokens
+            for key in m2po_stats[0]:
+                if key not in ("radius", "masked", "trust_region"):
+                    out[f"m2po/{key}"] = sum(s[key] for s in m2po_stats) / len(m2po_stats)
+            out["m2po/trust_region_frac"] = sum(s["trust_region"] for s in m2po_stats) / tokens
+        return out
 
     def _scatter(self, batch: Batch | None) -> list[list[list[Pair]]]:
         """Rank 0 splits each mini-batch over the ranks and into micro-batches (microbatch.plan)
@@ -215,13 +266,17 @@ class DAPOTrainer:
         """What an empty micro-batch runs (at weight 0): the rank's shortest sequence."""
         return min((pair for mb in micro_batches for pair in mb), key=lambda pair: len(pair[0]) + len(pair[1]))
 
-    def _update(self, micro_batches: list[list[Pair]], prox: dict[int, torch.Tensor] | None) -> dict[str, float]:
+    def _update(self, micro_batches: list[list[Pair]], prox: dict[int, torch.Tensor] | None,
+                measure: bool = False) -> dict[str, float]:
         """One optimizer update on this rank's micro-batches of a mini-batch."""
         local_tokens = torch.tensor(float(sum(t.num_actions for mb in micro_batches for _, t in mb)), device=self.acc.device)
         total_tokens = self.acc.reduce(local_tokens, reduction="sum").item()
         # DDP/FSDP average gradients over ranks; scale so the result is Σ_tokens / total_tokens.
         norm = total_tokens / self.acc.num_processes
-        stats = dict.fromkeys(("loss", "clipped", "tokens", "entropy", "ratio", "pad_tokens", "slots"), 0.0)
+        decision, m2po_stats = self._m2po_decide(micro_batches) if self.cfg.algo.name == "m2po" else (None, None)
+        keys = ("loss", "clipped", "tokens", "entropy", "ratio", "masked", "truncated", "pad_tokens", "slots",
+                "mm_tokens", "mm_abs_logp_diff", "mm_k3_kl")
+        stats = dict.fromkeys(keys, 0.0)
         for i, mb in enumerate(micro_batches):
             # Every rank runs as many micro-batches (microbatch.equalize); an empty one is a pass at
             # weight 0 on a stand-in, so that each rank joins every collective of the forward/backward.
@@ -229,6 +284,8 @@ class DAPOTrainer:
             b = self._collate(pairs)
             if prox is not None:
                 b["logp_prox"] = torch.cat([prox[id(t)] for _, t in pairs])
+            if decision is not None:
+                b["m2po_keep" if self.cfg.algo.m2po_variant == "paper" else "m2po_eps"] = decision[i]
             sync = self.sync_every or i == len(micro_batches) - 1
             with contextlib.nullcontext() if sync else self.acc.no_sync(self.model):
                 logp, entropy = self._logprobs(b)
@@ -242,8 +299,15 @@ class DAPOTrainer:
             stats["tokens"] += mask.sum().item()
             stats["entropy"] += (entropy * mask).sum().item()
             stats["ratio"] += out.ratio_sum.item()
+            stats["masked"] += 0.0 if out.masked is None else out.masked.item()
+            stats["truncated"] += 0.0 if out.truncated is None else out.truncated.item()
             stats["pad_tokens"] += b["pad_tokens"].item()
             stats["slots"] += b["slots"].item()
+            if measure:
+                on_policy = (b["versions"] == self.version).to(mask.dtype) * mask
+                mm = correction.mismatch(b["logp_prox"] if prox is not None else logp, b["logp_behavior"], on_policy)
+                for k, v in mm.items():
+                    stats[f"mm_{k}"] += v
         grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip))
         bad = torch.tensor(float(not (math.isfinite(grad_norm) and math.isfinite(stats["loss"]))), device=self.acc.device)
         if self.acc.num_processes > 1:  # every rank must take the same decision
@@ -259,7 +323,44 @@ class DAPOTrainer:
         stats["grad_norm"] = grad_norm
         stats["skipped"] = float(bad.item() > 0)
         stats["micro_batches"] = float(len(micro_batches))
+        if m2po_stats is not None:
+            stats["m2po"] = m2po_stats
         return stats
+
+    @torch.no_grad()
+    def _m2po_decide(self, micro_batches: list[list[Pair]]) -> tuple[list, dict]:
+        """M2PO's decision over the whole mini-batch (pace/algo/m2po.py): a forward pass over this
+        rank's micro-batches at the update's weights (empty ones on the stand-in, for FSDP's
+        collectives) gives d = log π_θ − log μ; every rank gathers every rank's (d, A, mask) in rank
+        order and decides on all of them, so the decision does not depend on the split. Returns per
+        micro-batch the keep mask (paper) or the (ε_low, ε_high) pair (adaptive_clip), and the stats."""
+        algo = self.cfg.algo
+        self.model.eval()
+        parts, widths = [], []  # this rank's non-empty micro-batches' rows; every micro-batch's token count
+        for mb in micro_batches:
+            b = self._collate(mb or [self._stand_in(micro_batches)])
+            logp, _ = self._logprobs(b)
+            rows = torch.stack([logp - b["logp_behavior"], b["advantages"], b["loss_mask"]]).to("cpu", torch.float64)
+            widths.append(rows.shape[1])
+            parts.append(rows if mb else rows[:, :0])
+        self.model.train()
+        local = torch.cat(parts, 1)
+        offset, everything = 0, local
+        if self.acc.num_processes > 1:
+            gathered = [None] * self.acc.num_processes
+            torch.distributed.all_gather_object(gathered, local)
+            offset = sum(g.shape[1] for g in gathered[: self.acc.process_index])
+            everything = torch.cat(gathered, 1)
+        d, adv, mask = everything
+        if algo.m2po_variant == "adaptive_clip":
+            eps_low, eps_high, stats = m2po.adaptive_clip(d, adv, mask, algo.m2_threshold, algo.m2po_eps_low_min,
+                                                          algo.m2po_eps_high_max)
+            return [(eps_low, eps_high)] * len(micro_batches), stats | {"eps_low": eps_low, "eps_high": eps_high}
+        keep, stats = m2po.keep_mask(d, adv, mask, algo.m2_threshold)
+        pieces = iter(torch.split(keep[offset : offset + local.shape[1]], [p.shape[1] for p in parts]))
+        # an empty micro-batch (a stand-in at weight 0) keeps nothing
+        out = [next(pieces) if mb else torch.zeros(w, dtype=torch.float64) for mb, w in zip(micro_batches, widths)]
+        return [piece.to(self.acc.device, torch.float32) for piece in out], stats
 
     def _reduce(self, stats: dict[str, float]) -> dict[str, float]:
         if self.acc.num_processes == 1:

@@ -153,5 +153,6 @@ class GenerationMixin:
         for traj, ok in zip(group.trajectories, correct):
             traj.correct = ok
             traj.reward = correctness_reward(ok) + overlong_penalty(len(traj), r.max_tokens, r.overlong_buffer)
-        for traj, adv in zip(group.trajectories, group_advantages([t.reward for t in group.trajectories], self.cfg.algo.adv_eps)):
+        for traj, adv in zip(group.trajectories, group_advantages([t.reward for t in group.trajectories], self.cfg.algo.adv_eps,
+                                                                       self.cfg.algo.std_unbiased)):
             traj.advantage = adv

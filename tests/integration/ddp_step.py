@@ -41,6 +41,9 @@ LAYOUTS = {
     "packed": {"max_tokens_per_micro_batch": 30, "packing": True},
     "fsdp_every": {"max_tokens_per_micro_batch": 30, "packing": True, "grad_sync": "every"},
     "fsdp_last": {"max_tokens_per_micro_batch": 30, "packing": True, "grad_sync": "last"},
+    # M2PO (Algorithm 1): its mask decided over the mini-batch of every rank (issue #18)
+    "m2po_count": {"micro_batch_size": 2, "algo.name": "m2po", "algo.m2_threshold": 2.0},
+    "m2po_tokens": {"max_tokens_per_micro_batch": 30, "algo.name": "m2po", "algo.m2_threshold": 2.0},
 }
 
 
@@ -63,7 +66,7 @@ def trainer(model_path: str, layout: str, acc: Accelerator) -> DAPOTrainer:
     cfg.trainer.mini_batches = 2
     cfg.trainer.warmup_steps = 3  # the LR still rises over the two steps
     for key, value in LAYOUTS[layout].items():
-        cfg.trainer[key] = value
+        OmegaConf.update(cfg, key if "." in key else f"trainer.{key}", value)
     fsdp = layout.startswith("fsdp")
     if fsdp:
         acc.state.fsdp_plugin = plugin_from_yaml(ROOT / "conf/accelerate/fsdp.yaml")

@@ -25,6 +25,7 @@ def torchrun(n: int) -> list[str]:
 
 DDP_LAYOUTS = ["count", "tokens", "packed"]
 FSDP_LAYOUTS = ["fsdp_every", "fsdp_last"]
+M2PO_LAYOUTS = ["m2po_count", "m2po_tokens"]  # M2PO's mask decided over every rank's micro-batches
 
 
 def _steps(n: int, model: str, layouts: list[str]) -> tuple[dict, dict, dict]:
@@ -48,18 +49,24 @@ def test_updates_do_not_depend_on_the_number_of_processes_or_the_micro_batch_lay
     """One process vs two (DDP, and FSDP2 with reduce-scatter after every micro-batch or `no_sync`
     until the last), micro-batches by count or by a token budget (padded, packed; a rank then runs
     an empty zero-weight micro-batch): the same losses, gradient norms, LR and weights."""
-    one, one_w, _ = _steps(1, tiny_model_path, DDP_LAYOUTS)
-    two, two_w, empty = _steps(2, tiny_model_path, DDP_LAYOUTS + FSDP_LAYOUTS)
+    one, one_w, _ = _steps(1, tiny_model_path, DDP_LAYOUTS + M2PO_LAYOUTS[:1])
+    two, two_w, empty = _steps(2, tiny_model_path, DDP_LAYOUTS + FSDP_LAYOUTS + M2PO_LAYOUTS)
     ref = one["count"]
     assert len(ref) == 2 and ref[1]["train/lr"] > ref[0]["train/lr"]  # still warming up: a schedule stepped N times would differ
-    runs = [(f"1 process, {k}", one[k], one_w[k]) for k in DDP_LAYOUTS] + [(f"2 processes, {k}", two[k], two_w[k]) for k in two]
+    runs = [(f"1 process, {k}", one[k], one_w[k]) for k in one] + [(f"2 processes, {k}", two[k], two_w[k]) for k in two]
     for name, steps, checksum in runs:
+        base = "m2po_count" if "m2po" in name else "count"
         assert len(steps) == 2, name
-        for a, b in zip(ref, steps):
-            for key in ("train/loss", "train/grad_norm", "train/entropy", "train/ratio_mean", "train/clipfrac"):
+        for a, b in zip(one[base], steps):
+            keys = ["train/loss", "train/grad_norm", "train/entropy", "train/ratio_mean", "train/clipfrac"]
+            keys += ["m2po/masked_frac", "m2po/m2", "m2po/m2_after"] if base == "m2po_count" else []
+            for key in keys:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (name, key)
             assert b["train/lr"] == pytest.approx(a["train/lr"], rel=1e-9), name  # once per update, not once per process
-        assert checksum == pytest.approx(one_w["count"], rel=1e-6, abs=1e-6), name
+        assert checksum == pytest.approx(one_w[base], rel=1e-6, abs=1e-6), name
+    m2po = one["m2po_count"][0]
+    assert 0 < m2po["m2po/masked_frac"] < m2po["m2po/trust_region_frac"] < 1, m2po  # a partial mask: the case can fail
+    assert m2po["train/loss"] != pytest.approx(ref[0]["train/loss"], rel=1e-3)
     assert all(empty[k] >= 1 for k in ["tokens", "packed", *FSDP_LAYOUTS]), empty  # the zero-weight pass ran
     assert two["packed"][0]["train/pad_frac"] == 0.0 and two["count"][0]["train/pad_frac"] > 0
 

@@ -8,6 +8,8 @@ computes itself with one forward pass over the whole batch.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -158,22 +160,111 @@ def test_mini_batches_are_sequential_updates_each_normalised_by_its_own_tokens(e
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-4, msg=name)
 
 
-def test_m2po_in_the_trainer_is_the_m2po_loss_not_dapo(env):
-    """Guards against: `algo.name=m2po` training with the DAPO loss (with behaviour = current policy
-    the two are equal, so the off-policy batch here is what tells them apart)."""
+def _tensors(model, batch):
+    trajs = batch.trajectories
+    logp = _response_logprobs(model, batch)
+    behaviour = torch.tensor([x for t in trajs for x in t.logprobs])
+    adv = torch.tensor([t.advantage for t in trajs for _ in t.response_ids])
+    seq_ids = torch.repeat_interleave(torch.arange(len(trajs)), torch.tensor([len(t) for t in trajs]))
+    return logp, behaviour, adv, torch.ones_like(logp), seq_ids
+
+
+def _m2po_reference(model, batch, variant: str, per_sequence: bool = False) -> float:
+    """M2PO's loss with its decision over the whole batch (or, to tell the two apart, per sequence)."""
+    from pace.algo import m2po
     from pace.algo.loss import dapo_loss, m2po_loss
 
-    # one micro-batch: m2po_loss decides its mask per call, i.e. per micro-batch (issue #18 moves the
-    # decision to the whole mini-batch, as M2PO's Algorithm 1 does)
-    trainer = _trainer(env, **{"algo.name": "m2po", "trainer.micro_batch_size": 64})
+    logp, lb, adv, mask, seq_ids = _tensors(model, batch)
+    d = logp - lb
+    if variant == "adaptive_clip":
+        eps_low, eps_high, _ = m2po.adaptive_clip(d, adv, mask, 0.04)
+        return dapo_loss(logp, lb, adv, mask, len(logp), eps_low=eps_low, eps_high=eps_high, clip_ratio_c=None).loss.item()
+    if per_sequence:
+        keep = torch.cat([m2po.keep_mask(d[seq_ids == i], adv[seq_ids == i], mask[seq_ids == i], 0.04)[0]
+                          for i in range(int(seq_ids.max()) + 1)])
+    else:
+        keep = m2po.keep_mask(d, adv, mask, 0.04)[0]
+    return m2po_loss(logp, lb, adv, mask, keep, len(logp)).loss.item()
+
+
+@pytest.mark.parametrize("variant", ["paper", "adaptive_clip"])
+def test_m2po_decides_over_the_whole_mini_batch_whatever_the_layout(env, variant):
+    """Guards against: M2PO deciding per micro-batch (its mask then changes with the split), training
+    with the DAPO loss, or the decision's forward pass on other weights than the update's."""
+    from pace.algo.loss import dapo_loss
+
+    losses, grads = {}, {}
+    for name in ("1 per sequence", "3 per micro-batch", "all in one", "token budget, padded"):
+        trainer = _trainer(env, **{"algo.name": "m2po", "algo.m2po_variant": variant, **LAYOUTS[name]})
+        model = env[2].unwrap_model(trainer.model)
+        batch = _batch(env, model, noise=1.0)
+        with torch.no_grad():
+            expected = _m2po_reference(model, batch, variant)
+            assert abs(expected - _reference(dapo_loss, model, batch)) > 1e-2  # the case tells M2PO from DAPO
+            if variant == "paper":  # and a per-sequence (micro-batch of 1) decision from the batch's
+                assert abs(expected - _m2po_reference(model, batch, variant, per_sequence=True)) > 1e-3
+        seen = _record_grads(trainer, model)
+        metrics = trainer.step(batch)
+        losses[name], grads[name] = metrics["train/loss"], seen[0]
+        assert losses[name] == pytest.approx(expected, abs=1e-5), name
+        assert 0 < metrics["m2po/trust_region_frac"] < 1 and metrics["m2po/m2"] > 0.04
+        if variant == "paper":
+            assert 0 < metrics["m2po/masked_frac"] < metrics["m2po/trust_region_frac"] and metrics["m2po/m2_after"] <= 0.04
+        else:
+            assert metrics["m2po/eps_high"] < 0.5 and metrics["m2po/m2_after"] <= 0.04 + 1e-9
+    for name, g in grads.items():
+        for p, ref in grads["1 per sequence"].items():
+            torch.testing.assert_close(g[p], ref, atol=1e-6, rtol=1e-4, msg=f"{name}: {p}")
+
+
+@pytest.mark.parametrize("ratio_ref, kind, level", [("proximal", "tis", "token"), ("behavior", "tis", "sequence"),
+                                                    ("behavior", "mis", "geometric"), ("proximal", "mis", "sequence")])
+def test_is_corrections_in_the_trainer_are_the_pure_functions(env, ratio_ref, kind, level):
+    """Guards against: a correction left out of the trainer's loss, computed per micro-batch on split
+    sequences, or with the wrong ratio (π_prox/μ under the proximal reference, sg(π_θ)/μ under the
+    behaviour one)."""
+    from pace.algo.correction import correct
+    from pace.algo.loss import dapo_loss, decoupled_loss, tis_pg_loss
+
+    threshold = {"token": 2.0, "sequence": 4.0, "geometric": 1.3}[level]
+    for layout in ("1 per sequence", "3 per micro-batch"):
+        trainer = _trainer(env, **{"algo.ratio_ref": ratio_ref, "algo.is_correction": kind, "algo.is_level": level,
+                                   "algo.is_threshold": threshold, **LAYOUTS[layout]})
+        model = env[2].unwrap_model(trainer.model)
+        batch = _batch(env, model, noise=0.7)
+        with torch.no_grad():
+            logp, lb, adv, mask, seq_ids = _tensors(model, batch)
+            n_seqs, n = int(seq_ids.max()) + 1, len(logp)
+            c = correct(logp - lb, mask, seq_ids, n_seqs, kind, level, threshold)  # at θ_0, π_prox = π_θ
+            if ratio_ref == "proximal":
+                expected = decoupled_loss(logp, logp, lb, adv, mask, n, weight=c.weight).loss.item()
+            elif kind == "tis":
+                expected = tis_pg_loss(logp, lb, adv, mask, c.weight, n).loss.item()
+            else:
+                expected = dapo_loss(logp, lb, adv, mask, n, weight=c.keep).loss.item()
+            assert abs(expected - _reference(dapo_loss, model, batch)) > 1e-3, "the case tells the correction apart"
+        metrics = trainer.step(batch)
+        assert metrics["train/loss"] == pytest.approx(expected, abs=1e-5), layout
+        frac = metrics["mismatch/masked_frac" if kind == "mis" else "mismatch/truncated_frac"]
+        assert frac == pytest.approx(((c.masked if kind == "mis" else c.truncated) / n).item(), abs=1e-9) and 0 < frac < 1
+
+
+def test_mismatch_metrics_count_the_on_policy_tokens(env):
+    """Behaviour log-probs = the trainer's own (float32): every on-policy token has |Δ log p| ~ 0;
+    tokens of an older version are left out of the count."""
+    trainer = _trainer(env, **{"trainer.micro_batch_size": 3})
     model = env[2].unwrap_model(trainer.model)
-    batch = _batch(env, model, noise=1.0)
-    clip = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
-    with torch.no_grad():
-        m2po = _reference(m2po_loss, model, batch, m2_threshold=0.04, **clip)
-        dapo = _reference(dapo_loss, model, batch, **clip)
-    assert abs(m2po - dapo) > 1e-2  # the case tells them apart
-    assert trainer.step(batch)["train/loss"] == pytest.approx(m2po, abs=1e-5)
+    batch = _batch(env, model, noise=0.0)
+    stale = batch.groups[1].trajectories[0]
+    stale.versions[:] = -1  # generated by an older policy than the trainer's version 0
+    metrics = trainer.step(batch)
+    tokens = sum(len(t) for t in batch.trajectories)
+    assert metrics["mismatch/tokens"] == tokens - len(stale)
+    assert metrics["mismatch/abs_logp_diff"] < 1e-5 and abs(metrics["mismatch/k3_kl"]) < 1e-9
+    noisy = _trainer(env, **{"trainer.micro_batch_size": 3})
+    metrics = noisy.step(_batch(env, env[2].unwrap_model(noisy.model), noise=0.3))
+    assert metrics["mismatch/abs_logp_diff"] == pytest.approx(0.3 * math.sqrt(2 / math.pi), rel=0.3)  # E|N(0, σ²)|
+    assert metrics["mismatch/k3_kl"] > 0
 
 
 def test_decoupled_ppo_takes_the_step_start_policy_as_proximal(env):
@@ -190,11 +281,11 @@ def test_decoupled_ppo_takes_the_step_start_policy_as_proximal(env):
     first, second = Batch(0, batch.groups[:1]), Batch(0, batch.groups[1:])
     with torch.no_grad():  # π_prox of both mini-batches: the weights before the step
         prox1, prox2 = _response_logprobs(model, first), _response_logprobs(model, second)
-        loss1 = _reference(decoupled_loss, model, first, prox=prox1, is_cap=5.0, **clip)
+        loss1 = _reference(decoupled_loss, model, first, prox=prox1, **clip)
         assert abs(loss1 - _reference(dapo_loss, model, first, **clip)) > 1e-2  # the case tells them apart
     # the weights after the first update, from a one-mini-batch step on the first group alone
     ref = _trainer(env, **{"algo.ratio_ref": "proximal", "trainer.micro_batch_size": 3})
     assert ref.step(first)["train/loss"] == pytest.approx(loss1, abs=1e-5)
     with torch.no_grad():
-        loss2 = _reference(decoupled_loss, env[2].unwrap_model(ref.model), second, prox=prox2, is_cap=5.0, **clip)
+        loss2 = _reference(decoupled_loss, env[2].unwrap_model(ref.model), second, prox=prox2, **clip)
     assert trainer.step(batch)["train/loss"] == pytest.approx((loss1 + loss2) / 2, abs=1e-5)

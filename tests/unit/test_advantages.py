@@ -61,25 +61,42 @@ def test_correctness_reward() -> None:
 def test_group_advantages_hand_values() -> None:
     # [1, −1, −1, 1]: mean 0, population std 1 → ±1/(1 + eps).
     eps = 1e-6
-    assert group_advantages([1, -1, -1, 1], eps=eps) == pytest.approx(
+    assert group_advantages([1, -1, -1, 1], eps=eps, unbiased=False) == pytest.approx(
         [1 / (1 + eps), -1 / (1 + eps), -1 / (1 + eps), 1 / (1 + eps)], abs=1e-12
     )
     # [1, −1, −1, −1]: mean −0.5, population std sqrt((1.5² + 3·0.5²)/4) = sqrt(3)/2
     #   → correct: 1.5/(sqrt(3)/2) = sqrt(3);  wrong: −0.5/(sqrt(3)/2) = −1/sqrt(3).
     s3 = math.sqrt(3)
-    assert group_advantages([1, -1, -1, -1], eps=0.0) == pytest.approx([s3, -1 / s3, -1 / s3, -1 / s3], abs=1e-12)
-    # Population (not sample) std: [0, 2] → mean 1, std 1 → [−1, 1] (sample std would give ±1/√2).
-    assert group_advantages([0.0, 2.0], eps=0.0) == pytest.approx([-1.0, 1.0], abs=1e-12)
+    assert group_advantages([1, -1, -1, -1], eps=0.0, unbiased=False) == pytest.approx([s3, -1 / s3, -1 / s3, -1 / s3], abs=1e-12)
+    # Population std: [0, 2] → mean 1, std 1 → [−1, 1].
+    assert group_advantages([0.0, 2.0], eps=0.0, unbiased=False) == pytest.approx([-1.0, 1.0], abs=1e-12)
 
 
-@pytest.mark.parametrize("rewards", [[1.0] * 4, [-1.0] * 8, [0.3]])
+def test_group_advantages_unbiased_std_is_the_default() -> None:
+    # Bessel's correction (verl's DAPO recipe: torch.std): [0, 2] → std sqrt(2) → ±1/√2;
+    # [1, −1, −1, 1] → std sqrt(4/3) → ±sqrt(3)/2; [1, −1, −1, −1] → std sqrt(3 / 3) = 1 → [1.5, −0.5 ×3].
+    assert group_advantages([0.0, 2.0], eps=0.0) == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)], abs=1e-12)
+    h = math.sqrt(3) / 2
+    assert group_advantages([1, -1, -1, 1], eps=0.0) == pytest.approx([h, -h, -h, h], abs=1e-12)
+    assert group_advantages([1, -1, -1, 1], eps=0.0) != pytest.approx([1, -1, -1, 1], abs=1e-6)
+    assert group_advantages([1, -1, -1, -1], eps=0.0) == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-12)
+    import torch
+
+    r = torch.tensor([1.0, -1.0, 0.3, -1.0, 1.0, 1.0, -1.0, -0.2], dtype=torch.float64)
+    assert group_advantages(r.tolist(), eps=0.0) == pytest.approx(((r - r.mean()) / r.std()).tolist(), abs=1e-12)
+
+
+@pytest.mark.parametrize("rewards", [[1.0] * 4, [-1.0] * 8])
 def test_group_advantages_zero_for_equal_rewards(rewards: list[float]) -> None:
     assert group_advantages(rewards) == [0.0] * len(rewards)
+    assert group_advantages([0.3], unbiased=False) == [0.0]
 
 
 def test_group_advantages_empty_raises() -> None:
     with pytest.raises(ValueError):
         group_advantages([])
+    with pytest.raises(ValueError):  # a sample std needs two rewards
+        group_advantages([1.0])
 
 
 @settings(deadline=None)
@@ -89,7 +106,7 @@ def test_group_advantages_mean_zero_unit_std(rewards: list[float]) -> None:
     adv = group_advantages(rewards, eps=0.0)
     n = len(adv)
     mean = sum(adv) / n
-    std = math.sqrt(sum((a - mean) ** 2 for a in adv) / n)
+    std = math.sqrt(sum((a - mean) ** 2 for a in adv) / (n - 1))  # the sample std (the default)
     assert mean == pytest.approx(0.0, abs=1e-9)
     assert std == pytest.approx(1.0, abs=1e-9)
     # Order is kept: a higher reward never gets a lower advantage (ties possible after rounding).
@@ -107,9 +124,9 @@ def test_group_advantages_with_eps_shrinks_std(rewards: list[float]) -> None:
     eps = 1e-2
     n = len(rewards)
     m = sum(rewards) / n
-    s = math.sqrt(sum((r - m) ** 2 for r in rewards) / n)
+    s = math.sqrt(sum((r - m) ** 2 for r in rewards) / (n - 1))
     adv = group_advantages(rewards, eps=eps)
-    std = math.sqrt(sum(a**2 for a in adv) / n)  # mean is 0
+    std = math.sqrt(sum(a**2 for a in adv) / (n - 1))  # mean is 0; the sample std (the default)
     assert std == pytest.approx(s / (s + eps), abs=1e-12)
 
 

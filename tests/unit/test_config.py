@@ -139,6 +139,15 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["data.max_prompt_tokens=0"], "data.max_prompt_tokens"),
         (["reward.max_failed_in_row=-1"], "reward.max_failed_in_row"),
         (["eval.max_tokens=256"], "eval.max_tokens"),
+        (["algo.clip_ratio_c=1.0"], "algo.clip_ratio_c"),  # the dual clip must be above 1 (issue #18)
+        (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c"),
+        (["algo.is_correction=tis"], "algo.is_threshold"),
+        (["algo.is_correction=trunc"], "algo.is_correction"),
+        (["algo.is_correction=tis", "algo.is_threshold=2", "algo.is_level=geometric"], "algo.is_level"),
+        (["algo.is_correction=mis", "algo.is_threshold=2", "algo.is_threshold_lower=3"], "algo.is_threshold_lower"),
+        (["algo.is_correction=tis", "algo.is_threshold=2", "algo.is_threshold_lower=0.5"], "algo.is_threshold_lower"),
+        (["algo=m2po", "algo.is_correction=tis", "algo.is_threshold=2"], "algo.is_correction"),
+        (["algo=m2po", "algo.m2po_variant=clip"], "algo.m2po_variant"),
     ],
 )
 def test_validate_rejects_and_names_the_key(overrides: list[str], key: str) -> None:
@@ -149,6 +158,18 @@ def test_validate_rejects_and_names_the_key(overrides: list[str], key: str) -> N
 
 def test_validate_accepts_async_with_sync_every_2() -> None:
     validate(compose_cfg(["pool=async", "rollout.sync_every=2"]))
+
+
+def test_the_corrections_and_m2po_variants_validate() -> None:
+    validate(compose_cfg(["algo.is_correction=mis", "algo.is_level=geometric", "algo.is_threshold=1.001"]))
+    validate(compose_cfg(["algo.ratio_ref=proximal", "algo.is_correction=tis", "algo.is_threshold=2"]))
+    validate(compose_cfg(["algo=m2po", "algo.m2po_variant=adaptive_clip"]))
+    validate(compose_cfg(["algo.clip_ratio_c=null"]))
+    cfg = compose_cfg(["+exp=tis_qwen3_8b"])
+    algo = cfg.algo
+    assert (algo.ratio_ref, algo.is_correction, algo.is_level, algo.is_threshold) == ("proximal", "tis", "token", 2.0)
+    assert compose_cfg(["+exp=m2po_qwen3_8b"]).algo.m2po_variant == "paper"
+    assert compose_cfg(["+exp=pace_qwen3_8b"]).algo.std_unbiased is True
 
 
 def test_config_error_is_a_value_error() -> None:
