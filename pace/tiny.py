@@ -167,7 +167,12 @@ def _sft_examples(spec: TinySpec, rng: random.Random, n: int, val: set[str]) -> 
     while len(out) < n:
         if spec.tool is None:
             text = prompt_text(random_expression(rng, rng.choice(levels)))
-            segments = [(solution(Prompt(id="", text=text, answer="")), True)]
+            worked = solution(Prompt(id="", text=text, answer=""))
+            if spec.direct_fraction and rng.random() < spec.direct_fraction:
+                worked = worked[worked.rindex(ANSWER_PREFIX):]  # the answer line alone
+            elif spec.error_fraction and rng.random() < spec.error_fraction:
+                worked = _with_slip(text, rng)
+            segments = [(worked, True)]
         else:
             text = tool_arithmetic.random_expression(rng, rng.choice(levels)) + "=?\n"
             prompt = Prompt(id="", text=text, answer="")
@@ -179,6 +184,21 @@ def _sft_examples(spec: TinySpec, rng: random.Random, n: int, val: set[str]) -> 
         if text not in val:
             out.append((text, segments))
     return out
+
+
+def _with_slip(text: str, rng: random.Random) -> str:
+    """The worked solution of ``text`` with one step's result 1-9 too high and the
+    later steps carried on from it, so the answer is wrong the way a slip makes it wrong."""
+    (_, first), *rest = re.findall(r"([+-]?)(\d+)", text.removesuffix("=?\n"))
+    slip = rng.randrange(len(rest))
+    total, lines = int(first), []
+    for i, (op, x) in enumerate(rest):
+        result = total - int(x) if op == "-" else total + int(x)
+        if i == slip:
+            result += rng.randint(1, 9)  # upwards: a later subtraction never goes below 0
+        lines.append(f"{total}{op or '+'}{x}={result}")
+        total = result
+    return "\n".join(lines) + f"\n{ANSWER_PREFIX}{total}"
 
 
 def _sft(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, spec: TinySpec, progress: bool) -> float:
@@ -271,9 +291,10 @@ def _measure(model, tokenizer, prompts: list[Prompt], spec: TinySpec, batch: int
         for p, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :].tolist()):
             n = ids.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in ids else len(ids)
             text = tokenizer.decode(ids[:n])
-            rec = per_level.setdefault(p.meta["level"], {"correct": [], "length": [], "correct_length": []})
+            rec = per_level.setdefault(p.meta["level"], {"correct": [], "length": [], "correct_length": [], "direct": []})
             ok = parse_answer(text) == int(p.answer)
             rec["correct"].append(int(ok))
+            rec["direct"].append(int("=" not in text))  # answered at once, no worked step
             rec["length"].append(n)
             if ok:
                 rec["correct_length"].append(n)
@@ -286,6 +307,10 @@ def _measure(model, tokenizer, prompts: list[Prompt], spec: TinySpec, batch: int
         "eval_prompts": len(prompts),
         "accuracy_per_level": {lv: round(sum(per_level[lv]["correct"]) / len(per_level[lv]["correct"]), 3) for lv in levels},
         "accuracy_overall": round(sum(sum(r["correct"]) for r in per_level.values()) / len(prompts), 3),
+        "direct_rate_per_level": {lv: round(sum(per_level[lv]["direct"]) / len(per_level[lv]["direct"]), 3) for lv in levels},
+        "accuracy_direct_per_level": {
+            lv: round(sum(c for c, d in zip(per_level[lv]["correct"], per_level[lv]["direct"]) if d)
+                      / max(1, sum(per_level[lv]["direct"])), 3) for lv in levels},
         # response tokens without EOS; a response that never stopped counts max_new_tokens
         "response_tokens_per_level": {lv: summary(per_level[lv]["length"]) for lv in levels},
         "correct_response_tokens_per_level": {lv: summary(per_level[lv]["correct_length"]) for lv in levels},

@@ -41,10 +41,20 @@ class TinySpec:
     # the traces calling the tool and the rest answering directly (see pace/tasks/tool_arithmetic).
     tool: Optional[ToolArithmeticSpec] = None
     tool_fraction: float = 0.25
+    # Issue #19: this fraction of the arithmetic SFT traces answers at once ("Answer: N", no worked
+    # steps), which the model cannot compute for the longer levels: a sampled strategy whose
+    # mistakes RL can remove by choosing the worked solution. 0: every trace is worked.
+    direct_fraction: float = 0.0
+    # Issue #19: this fraction of the arithmetic SFT traces has one worked step with a wrong result
+    # (1-9 too high, the rest of the chain consistent with it): sampled slips RL can remove.
+    error_fraction: float = 0.0
 
     def key(self) -> str:
         fields = asdict(self)
         if self.tool is None:  # the arithmetic model's key (and cache) predates the tool variant
             del fields["tool"], fields["tool_fraction"]
+        for name in ("direct_fraction", "error_fraction"):  # issue #19's knobs: earlier caches stay valid
+            if not fields[name]:
+                del fields[name]
         blob = json.dumps({"build_version": BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
