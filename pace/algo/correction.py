@@ -68,8 +68,9 @@ def correct(log_rho: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, n_
             total = total / sequence_sum(mask, seq_ids, n_seqs).clamp(min=1.0)
         log_level = total.clamp(-BOUND, BOUND)[seq_ids]
     if kind == "tis":
-        weight = torch.exp(log_level).clamp(max=upper) * mask
-        truncated = ((torch.exp(log_level) > upper).to(mask.dtype) * mask).sum()
+        level_rho = torch.exp(log_level)
+        weight = level_rho.clamp(max=upper) * mask
+        truncated = ((level_rho > upper).to(mask.dtype) * mask).sum()
         return Correction(weight, mask, truncated, zero)
     low = 1.0 / upper if lower is None else lower
     inside = (log_level >= (math.log(low) if low > 0 else -math.inf)) & (log_level <= math.log(upper))

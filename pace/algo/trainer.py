@@ -210,8 +210,8 @@ class DAPOTrainer:
             out["mismatch/truncated_frac"] = totals["truncated"] / tokens
         if m2po_stats:
             out["m2po/masked_frac"] = totals["masked"] / tokens
-            for key in m2po_stats[0]:
-                if key not in ("radius", "masked", "trust_region"):
+            for key in ("m2", "m2_after", "eps_low", "eps_high"):
+                if key in m2po_stats[0]:
                     out[f"m2po/{key}"] = sum(s[key] for s in m2po_stats) / len(m2po_stats)
             out["m2po/trust_region_frac"] = sum(s["trust_region"] for s in m2po_stats) / tokens
         return out
@@ -247,19 +247,30 @@ class DAPOTrainer:
         b = collate([t for _, t in pairs], [p for p, _ in pairs], packed=self.cfg.trainer.packing)
         return {k: v.to(self.acc.device) for k, v in b.items()}
 
-    @torch.no_grad()
     def _proximal_logprobs(self, plans: list[list[list[Pair]]]) -> dict[int, torch.Tensor]:
         """log π_prox of every response token: the policy at the start of this step (decoupled PPO).
         Over the same micro-batches as the updates, so every rank runs as many forwards (FSDP)."""
-        self.model.eval()
         out = {}
         for micro_batches in plans:
-            for mb in micro_batches:
-                pairs = mb or [self._stand_in(micro_batches)]
-                logp, _ = self._logprobs(self._collate(pairs))
+            for pairs, _, logp in self._score(micro_batches):
                 for (_, traj), lp in zip(pairs, torch.split(logp, [len(t) for _, t in pairs])):
                     out[id(traj)] = lp
         return out
+
+    def _score(self, micro_batches: list[list[Pair]]):
+        """(pairs, collated batch, log π) of each micro-batch at the current weights, without grad
+        (the proximal pass, M2PO's decision); an empty micro-batch runs on the stand-in, so that
+        every rank joins FSDP's collectives."""
+        self.model.eval()
+        try:
+            for mb in micro_batches:
+                pairs = mb or [self._stand_in(micro_batches)]
+                b = self._collate(pairs)
+                with torch.no_grad():
+                    logp, _ = self._logprobs(b)
+                yield pairs, b, logp
+        finally:
+            self.model.train()
 
     @staticmethod
     def _stand_in(micro_batches: list[list[Pair]]) -> Pair:
@@ -335,15 +346,11 @@ class DAPOTrainer:
         order and decides on all of them, so the decision does not depend on the split. Returns per
         micro-batch the keep mask (paper) or the (ε_low, ε_high) pair (adaptive_clip), and the stats."""
         algo = self.cfg.algo
-        self.model.eval()
         parts, widths = [], []  # this rank's non-empty micro-batches' rows; every micro-batch's token count
-        for mb in micro_batches:
-            b = self._collate(mb or [self._stand_in(micro_batches)])
-            logp, _ = self._logprobs(b)
+        for mb, (_, b, logp) in zip(micro_batches, self._score(micro_batches)):
             rows = torch.stack([logp - b["logp_behavior"], b["advantages"], b["loss_mask"]]).to("cpu", torch.float64)
             widths.append(rows.shape[1])
             parts.append(rows if mb else rows[:, :0])
-        self.model.train()
         local = torch.cat(parts, 1)
         offset, everything = 0, local
         if self.acc.num_processes > 1:
