@@ -40,6 +40,7 @@ from pace.tasks.arithmetic import (
     random_expression,
     solution,
 )
+from pace.tasks.arithmetic import _steps as arithmetic_steps
 from pace.tasks.base import Prompt
 from pace.tiny_spec import BUILD_VERSION, TinySpec
 
@@ -189,14 +190,14 @@ def _sft_examples(spec: TinySpec, rng: random.Random, n: int, val: set[str]) -> 
 def _with_slip(text: str, rng: random.Random) -> str:
     """The worked solution of ``text`` with one step's result 1-9 too high and the
     later steps carried on from it, so the answer is wrong the way a slip makes it wrong."""
-    (_, first), *rest = re.findall(r"([+-]?)(\d+)", text.removesuffix("=?\n"))
-    slip = rng.randrange(len(rest))
-    total, lines = int(first), []
-    for i, (op, x) in enumerate(rest):
-        result = total - int(x) if op == "-" else total + int(x)
+    steps = arithmetic_steps(text.removesuffix("=?\n"))
+    slip = rng.randrange(len(steps))
+    total, lines = steps[0][0], []
+    for i, (_, op, x, _) in enumerate(steps):
+        result = total - x if op == "-" else total + x
         if i == slip:
             result += rng.randint(1, 9)  # upwards: a later subtraction never goes below 0
-        lines.append(f"{total}{op or '+'}{x}={result}")
+        lines.append(f"{total}{op}{x}={result}")
         total = result
     return "\n".join(lines) + f"\n{ANSWER_PREFIX}{total}"
 
