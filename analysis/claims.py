@@ -1,19 +1,30 @@
-"""The paper's four small-scale claims as numbers from the logs, each with a verdict whose rule is
-fixed here, before any run is looked at (issue #5):
+"""The paper's four small-scale claims as numbers from the logs, each decided by a rule fixed here
+before the study's runs are looked at (issue #5; intervals over seeds since issue #19).
 
-(a) a larger Stale-k lag slows early optimisation: the mean rollout accuracy over the first half
-    of training falls as the lag grows (holds if it is lower at the largest lag than at the
-    smallest, and never rises from one lag to the next);
-(b) without filtering a backlog forms and the Waiting Staleness of consumed data grows: Async's
-    pool occupancy and consumed K_wait are higher in the last tenth of the run than in the first
-    (mean over seeds);
-(c) PACE lowers K_wait and learns at least as well as Async per step at close to Async's wall time:
-    mean consumed K_wait lower; final validation average not below Async's by more than the
-    standard error of the difference over seeds (no validation: last-tenth rollout accuracy);
-    seconds per step at most 10% above Async's;
-(d) Effective ranking rejects fewer long responses than Raw ranking: among rejected groups, the
-    share whose mean response length exceeds the median of all completed groups in the same
-    run is lower under PACE than under PACE (raw).
+Every claim is decided on an interval over seeds: one number per seed (a paired difference where
+two methods are compared; runs are paired by seed), then the 95% Student-t interval of their mean,
+mean ± t(0.975, n−1) · sd / √n. The verdict is three-valued:
+
+- **holds**: the interval lies on the side the claim states;
+- **does not hold**: it lies on the other side (or, for "at least as well", wholly below the margin);
+- **inconclusive**: it straddles the boundary: this many seeds cannot decide (also with one seed).
+
+(a) A larger Stale-k lag slows early optimisation. Per run: the mean rollout accuracy of completed
+    groups over the first half of training (the policy being trained, sampled every step: ~B·G
+    samples a step, far less noisy than a validation). Per seed: the least-squares slope of that
+    number against log2(k) over the lags run. Claim: slope < 0.
+(b) Without filtering a backlog forms and the Waiting Staleness of consumed data grows. Per Async
+    seed: pool occupancy, and consumed K_wait, in the last tenth of the run minus the first tenth.
+    Claim: both > 0 (holds if both hold; does not hold if either does not).
+(c) PACE lowers K_wait and learns at least as well as Async per step at close to Async's wall time.
+    Per seed, PACE minus Async of: mean consumed K_wait after `warmup` steps (claim < 0); the
+    learning score, the mean validation average over the validated versions after θ_0 (the area
+    under the validation curve; without validations, last-tenth rollout accuracy), claim > −MARGIN,
+    does not hold when the interval is wholly below −MARGIN; and the ratio of seconds per step
+    after `warmup`, claim <= 1 + TIME_SLACK. Holds if all three hold; does not hold if any does not.
+(d) Effective ranking rejects fewer long responses than Raw ranking. Per run: among rejected groups,
+    the share whose mean response length exceeds the median of all completed groups of that run.
+    Per seed: PACE minus PACE (raw). Claim: < 0.
 
 A claim whose runs are missing is reported as not tested. Every number comes from `Run` records.
 """
@@ -23,9 +34,47 @@ import math
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from analysis.figures import by_label
 from analysis.runs import Run
+
+LEVEL = 0.95
+MARGIN = 0.02  # (c): "as well" = at most 2 points of validation average worse (~ one validation's sd)
+TIME_SLACK = 0.10  # (c): "close to Async's wall time" = at most 10% more seconds per step
+HOLDS, FAILS, OPEN = "holds", "does not hold", "inconclusive"
+
+
+def interval(values: list[float], level: float = LEVEL) -> dict:
+    """Mean and Student-t interval of per-seed values (lo = hi = mean with one value: no interval)."""
+    xs = [float(x) for x in values if x is not None and not math.isnan(float(x))]
+    n = len(xs)
+    mean = float(np.mean(xs)) if xs else float("nan")
+    if n < 2:
+        return {"n": n, "mean": mean, "lo": float("nan"), "hi": float("nan"), "values": xs, "level": level}
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1) * np.std(xs, ddof=1) / math.sqrt(n))
+    return {"n": n, "mean": mean, "lo": mean - half, "hi": mean + half, "values": xs, "level": level}
+
+
+def below(iv: dict, bound: float) -> str:
+    """Verdict of "the quantity is < bound" (claims of a decrease)."""
+    if iv["n"] < 2:
+        return OPEN
+    return HOLDS if iv["hi"] < bound else FAILS if iv["lo"] > bound else OPEN
+
+
+def above(iv: dict, bound: float) -> str:
+    if iv["n"] < 2:
+        return OPEN
+    return HOLDS if iv["lo"] > bound else FAILS if iv["hi"] < bound else OPEN
+
+
+def combine(verdicts: list[str]) -> str:
+    return FAILS if FAILS in verdicts else HOLDS if all(v == HOLDS for v in verdicts) else OPEN
+
+
+def _decided(out: dict, verdict: str) -> dict:
+    return {**out, "tested": True, "verdict": verdict, "holds": verdict == HOLDS}
 
 
 def _mean(xs) -> float:
@@ -39,85 +88,109 @@ def _tenth(steps: pd.DataFrame, key: str, which: int) -> float:
     return float(part[key].mean())
 
 
+def _by_seed(runs: list[Run]) -> dict[int, Run]:
+    return {r.seed: r for r in runs}
+
+
+def _paired(a: list[Run], b: list[Run], fn) -> tuple[dict[int, float], dict[int, float], list[float], list[int]]:
+    """fn on each run of a and b; the per-seed differences a − b over the seeds both have."""
+    fa, fb = {s: fn(r) for s, r in _by_seed(a).items()}, {s: fn(r) for s, r in _by_seed(b).items()}
+    seeds = sorted(set(fa) & set(fb))
+    return fa, fb, [fa[s] - fb[s] for s in seeds], seeds
+
+
+def early_rollout_acc(r: Run) -> float:
+    return float(r.steps["rollout/acc_mean"].iloc[: max(1, len(r.steps) // 2)].mean())
+
+
 def stale_k(groups: dict[str, list[Run]]) -> dict:
     lags = sorted((float(k.split("-", 1)[1]), k) for k in groups if k.startswith("Stale-"))
     if len(lags) < 2:
         return {"tested": False, "why": "needs Stale-k runs at two or more lags"}
-    early = {}
-    for lag, label in lags:
-        early[label] = _mean(float(r.steps["rollout/acc_mean"].iloc[: max(1, len(r.steps) // 2)].mean()) for r in groups[label])
-    vals = [early[label] for _, label in lags]
-    monotone = all(b <= a for a, b in zip(vals, vals[1:]))
-    return {"tested": True, "holds": bool(vals[-1] < vals[0] and monotone),
-            "early_rollout_acc": early, "monotone": monotone}
+    per = {label: {s: early_rollout_acc(r) for s, r in _by_seed(groups[label]).items()} for _, label in lags}
+    seeds = sorted(set.intersection(*(set(v) for v in per.values())))
+    x = np.log2([lag for lag, _ in lags])
+    slopes = [float(np.polyfit(x, [per[label][s] for _, label in lags], 1)[0]) for s in seeds]
+    early = {label: _mean(v.values()) for label, v in per.items()}
+    means = [early[label] for _, label in lags]
+    iv = interval(slopes)
+    return _decided({"early_rollout_acc": early, "per_seed": per, "seeds": seeds,
+                     "monotone": all(b <= a for a, b in zip(means, means[1:])),
+                     "quantity": "slope of first-half rollout accuracy per doubling of k", "interval": iv}, below(iv, 0.0))
 
 
 def backlog(groups: dict[str, list[Run]]) -> dict:
     rs = groups.get("Async", [])
     if not rs:
         return {"tested": False, "why": "needs Async runs"}
-    occ = [_tenth(r.steps, "pool/occupancy", 0) for r in rs], [_tenth(r.steps, "pool/occupancy", 1) for r in rs]
-    kw = [_tenth(r.steps, "staleness/k_wait_mean", 0) for r in rs], [_tenth(r.steps, "staleness/k_wait_mean", 1) for r in rs]
-    out = {"occupancy_first_tenth": _mean(occ[0]), "occupancy_last_tenth": _mean(occ[1]),
-           "k_wait_first_tenth": _mean(kw[0]), "k_wait_last_tenth": _mean(kw[1]), "seeds": len(rs)}
-    out["tested"] = True
-    out["holds"] = bool(out["occupancy_last_tenth"] > out["occupancy_first_tenth"]
-                        and out["k_wait_last_tenth"] > out["k_wait_first_tenth"])
-    return out
+    occ = [(_tenth(r.steps, "pool/occupancy", 0), _tenth(r.steps, "pool/occupancy", 1)) for r in rs]
+    kw = [(_tenth(r.steps, "staleness/k_wait_mean", 0), _tenth(r.steps, "staleness/k_wait_mean", 1)) for r in rs]
+    iv_occ, iv_kw = interval([b - a for a, b in occ]), interval([b - a for a, b in kw])
+    out = {"occupancy_first_tenth": _mean(a for a, _ in occ), "occupancy_last_tenth": _mean(b for _, b in occ),
+           "k_wait_first_tenth": _mean(a for a, _ in kw), "k_wait_last_tenth": _mean(b for _, b in kw), "seeds": len(rs),
+           "quantity": "last tenth minus first tenth (occupancy; consumed K_wait)",
+           "interval": {"occupancy": iv_occ, "k_wait": iv_kw}}
+    return _decided(out, combine([above(iv_occ, 0.0), above(iv_kw, 0.0)]))
 
 
-def _final_scores(runs: list[Run]) -> tuple[list[float], str]:
-    """The final validation average of each run, or, unless every run has validations, the
-    last-tenth rollout accuracy of each (one metric for all runs compared)."""
-    if all(not r.val.empty for r in runs):
-        return [float(r.val["val/avg"].iloc[-1]) for r in runs], "final validation average"
-    return [_tenth(r.steps, "rollout/acc_mean", 1) for r in runs], "last-tenth rollout accuracy"
+def learning_score(r: Run) -> tuple[float, str]:
+    """The mean validation average over the validated versions after θ_0 (the area under the
+    validation curve), or, without validations after θ_0, the last-tenth rollout accuracy."""
+    if not r.val.empty and (r.val["version"] > 0).any():
+        return float(r.val.loc[r.val["version"] > 0, "val/avg"].mean()), "mean validation average after θ_0"
+    return _tenth(r.steps, "rollout/acc_mean", 1), "last-tenth rollout accuracy"
 
 
 def pace_vs_async(groups: dict[str, list[Run]], warmup: int = 5) -> dict:
     pace, asyn = groups.get("PACE", []), groups.get("Async", [])
     if not pace or not asyn:
         return {"tested": False, "why": "needs PACE and Async runs"}
-    after = lambda r, key: float(r.steps[key].iloc[min(warmup, len(r.steps) // 2):].mean())  # noqa: E731
-    kw = {k: _mean(after(r, "staleness/k_wait_mean") for r in rs) for k, rs in (("PACE", pace), ("Async", asyn))}
-    sps = {k: _mean(after(r, "time/step") for r in rs) for k, rs in (("PACE", pace), ("Async", asyn))}
-    values, metric = _final_scores(pace + asyn)
-    scores = {"PACE": values[: len(pace)], "Async": values[len(pace):]}
-    se = math.sqrt(sum(np.var(v, ddof=1) / len(v) if len(v) > 1 else 0.0 for v in scores.values()))
-    diff = _mean(scores["PACE"]) - _mean(scores["Async"])
-    out = {
-        "tested": True,
-        "k_wait_mean": kw, "lower_k_wait": bool(kw["PACE"] < kw["Async"]),
-        "score_metric": metric, "scores": scores, "score_diff": diff, "score_diff_se": se,
-        "learns_as_well": bool(diff >= -se) if se > 0 else bool(diff >= 0),
-        "seconds_per_step": sps, "time_ratio": sps["PACE"] / sps["Async"],
-    }
-    out["close_wall_time"] = bool(out["time_ratio"] <= 1.10)
-    out["holds"] = out["lower_k_wait"] and out["learns_as_well"] and out["close_wall_time"]
-    return out
+    after = lambda key: lambda r: float(r.steps[key].iloc[min(warmup, len(r.steps) // 2):].mean())  # noqa: E731
+    kw_p, kw_a, kw_d, seeds = _paired(pace, asyn, after("staleness/k_wait_mean"))
+    metrics = {learning_score(r)[1] for r in pace + asyn}
+    score = (lambda r: learning_score(r)[0]) if len(metrics) == 1 else (lambda r: _tenth(r.steps, "rollout/acc_mean", 1))
+    metric = metrics.pop() if len(metrics) == 1 else "last-tenth rollout accuracy"
+    sc_p, sc_a, sc_d, _ = _paired(pace, asyn, score)
+    t_p, t_a, _, _ = _paired(pace, asyn, after("time/step"))
+    ratios = [t_p[s] / t_a[s] for s in seeds]
+    iv = {"k_wait": interval(kw_d), "score": interval(sc_d), "time_ratio": interval(ratios)}
+    parts = {"lower_k_wait": below(iv["k_wait"], 0.0), "learns_as_well": above(iv["score"], -MARGIN),
+             "close_wall_time": below(iv["time_ratio"], 1.0 + TIME_SLACK)}
+    out = {"seeds": seeds, "k_wait_mean": {"PACE": _mean(kw_p.values()), "Async": _mean(kw_a.values())},
+           "score_metric": metric, "scores": {"PACE": list(sc_p.values()), "Async": list(sc_a.values())},
+           "seconds_per_step": {"PACE": _mean(t_p.values()), "Async": _mean(t_a.values())},
+           "margin": MARGIN, "time_slack": TIME_SLACK, "parts": parts,
+           "quantity": "per seed, PACE minus Async (K_wait, score); PACE over Async (seconds per step)", "interval": iv}
+    return _decided(out, combine(list(parts.values())))
+
+
+def share_long_rejected(r: Run) -> tuple[float, float, int] | None:
+    """(share of rejected groups longer than the run's median completed group, their mean length, count)."""
+    if r.groups.empty:
+        return None
+    done = r.groups.dropna(subset=["len_mean"])
+    rej = done[done.fate == "rejected"]
+    if rej.empty:
+        return None
+    median = float(done["len_mean"].median())
+    return float((rej["len_mean"] > median).mean()), float(rej["len_mean"].mean()), len(rej)
 
 
 def long_rejections(groups: dict[str, list[Run]]) -> dict:
-    out = {}
+    out, per = {}, {}
     for label in ("PACE", "PACE (raw)"):
-        shares, lens, n = [], [], 0
-        for r in groups.get(label, []):
-            g = r.groups
-            if g.empty:
-                continue
-            done = g.dropna(subset=["len_mean"])
-            rej = done[done.fate == "rejected"]
-            if rej.empty:
-                continue
-            median = float(done["len_mean"].median())
-            shares.append(float((rej["len_mean"] > median).mean()))
-            lens.append(float(rej["len_mean"].mean()))
-            n += len(rej)
-        if shares:
-            out[label] = {"share_long": _mean(shares), "rejected_len_mean": _mean(lens), "rejected": n}
+        got = {r.seed: share_long_rejected(r) for r in groups.get(label, [])}
+        got = {s: v for s, v in got.items() if v is not None}
+        if got:
+            per[label] = {s: v[0] for s, v in got.items()}
+            out[label] = {"share_long": _mean(v[0] for v in got.values()), "rejected_len_mean": _mean(v[1] for v in got.values()),
+                          "rejected": sum(v[2] for v in got.values()), "per_seed": per[label]}
     if len(out) < 2:
         return {"tested": False, "why": "needs PACE and PACE (raw) runs that rejected groups", **out}
-    return {"tested": True, "holds": bool(out["PACE"]["share_long"] < out["PACE (raw)"]["share_long"]), **out}
+    seeds = sorted(set(per["PACE"]) & set(per["PACE (raw)"]))
+    iv = interval([per["PACE"][s] - per["PACE (raw)"][s] for s in seeds])
+    return _decided({**out, "seeds": seeds, "quantity": "per seed, share long under PACE minus under PACE (raw)",
+                     "interval": iv}, below(iv, 0.0))
 
 
 def evaluate_claims(runs: list[Run]) -> dict:

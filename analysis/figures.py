@@ -246,5 +246,6 @@ def mean_at_k_table(runs: list[Run], within: int | None = None) -> tuple[dict[st
         scores = {c.split("/")[1]: float(np.mean([b[c] for _, b in rows])) for c in cols}
         scores["avg"] = float(np.mean([b["val/avg"] for _, b in rows]))
         table[label] = scores
-        where[label] = [{"run": r.name, "seed": r.seed, "version": int(b["version"])} for r, b in rows]
+        where[label] = [{"run": r.name, "seed": r.seed, "version": int(b["version"]), "avg": float(b["val/avg"])}
+                        for r, b in rows]
     return table, _k(runs), where

@@ -57,39 +57,76 @@ def _setup_text(s: dict) -> str:
 def _verdict(c: dict) -> str:
     if not c.get("tested"):
         return f"**not tested** ({c.get('why', 'runs missing')})"
-    return "**holds**" if c["holds"] else "**does not hold** at this scale"
+    ivs = [c["interval"]] if "n" in c["interval"] else list(c["interval"].values())
+    why = "one seed: no interval to decide on" if min(iv["n"] for iv in ivs) < 2 else "the interval over seeds straddles the boundary"
+    return {"holds": "**holds**", "does not hold": "**does not hold** at this scale",
+            "inconclusive": f"**inconclusive** ({why})"}[c["verdict"]]
 
 
 def _f(x, nd=3) -> str:
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def _iv(iv: dict, nd: int = 3, sign: bool = True) -> str:
+    """mean [lo, hi] (95% interval over n seeds)."""
+    fmt = (lambda x: f"{x:+.{nd}f}") if sign else (lambda x: f"{x:.{nd}f}")
+    if iv["n"] < 2:
+        return f"{fmt(iv['mean'])} (one seed: no interval)"
+    return f"{fmt(iv['mean'])} [{fmt(iv['lo'])}, {fmt(iv['hi'])}] ({iv['level']:.0%} t-interval, {iv['n']} seeds)"
+
+
 def _claim_text(key: str, c: dict) -> str:
     if not c.get("tested"):
         return ""
+    iv = c["interval"]
     if key == "a_stale_k":
         parts = ", ".join(f"{k}: {_f(v)}" for k, v in c["early_rollout_acc"].items())
-        return (f"Mean rollout accuracy over the first half of training, by lag: {parts} "
-                f"({'monotone' if c['monotone'] else 'not monotone'} in the lag).")
+        return (f"Mean rollout accuracy over the first half of training, by lag (mean over seeds): {parts} "
+                f"({'monotone' if c['monotone'] else 'not monotone'} in the lag). Slope per doubling of k, "
+                f"per seed: {_iv(iv, 4)}; the claim needs it below 0.")
     if key == "b_backlog":
         return (f"Async ({c['seeds']} seed(s)): pool occupancy {_f(c['occupancy_first_tenth'], 1)} groups in the "
-                f"first tenth of training → {_f(c['occupancy_last_tenth'], 1)} in the last; consumed K_wait "
-                f"{_f(c['k_wait_first_tenth'], 2)} → {_f(c['k_wait_last_tenth'], 2)} steps.")
+                f"first tenth of training → {_f(c['occupancy_last_tenth'], 1)} in the last (change "
+                f"{_iv(iv['occupancy'], 1)}); consumed K_wait {_f(c['k_wait_first_tenth'], 2)} → "
+                f"{_f(c['k_wait_last_tenth'], 2)} steps (change {_iv(iv['k_wait'], 2)}); the claim needs both above 0.")
     if key == "c_pace_vs_async":
-        s = c["scores"]
-        return (f"Consumed K_wait: PACE {_f(c['k_wait_mean']['PACE'], 2)} vs Async {_f(c['k_wait_mean']['Async'], 2)} "
-                f"({'lower' if c['lower_k_wait'] else 'not lower'}). {c['score_metric'].capitalize()}: PACE "
-                f"{', '.join(_f(x) for x in s['PACE'])} vs Async {', '.join(_f(x) for x in s['Async'])} "
-                f"(difference of means {c['score_diff']:+.3f}, standard error {_f(c['score_diff_se'])}; "
-                f"{'as well' if c['learns_as_well'] else 'worse'}). Seconds per step: PACE "
-                f"{_f(c['seconds_per_step']['PACE'], 2)} vs Async {_f(c['seconds_per_step']['Async'], 2)} "
-                f"(ratio {_f(c['time_ratio'])}; {'within' if c['close_wall_time'] else 'over'} 10%).")
+        s, p = c["scores"], c["parts"]
+        return (f"Consumed K_wait: PACE {_f(c['k_wait_mean']['PACE'], 2)} vs Async {_f(c['k_wait_mean']['Async'], 2)}; "
+                f"PACE − Async {_iv(iv['k_wait'], 2)}: {p['lower_k_wait']}. {c['score_metric'].capitalize()}: PACE "
+                f"{', '.join(_f(x) for x in s['PACE'])} vs Async {', '.join(_f(x) for x in s['Async'])}; PACE − Async "
+                f"{_iv(iv['score'])}, against a margin of −{c['margin']:.2f}: {p['learns_as_well']}. Seconds per step: PACE "
+                f"{_f(c['seconds_per_step']['PACE'], 2)} vs Async {_f(c['seconds_per_step']['Async'], 2)}; ratio "
+                f"{_iv(iv['time_ratio'], 3, sign=False)}, against {1 + c['time_slack']:.2f}: {p['close_wall_time']}.")
     if key == "d_long_rejections":
         e, r = c["PACE"], c["PACE (raw)"]
         return (f"Share of rejected groups longer than the run's median: effective {_f(e['share_long'])} "
                 f"({e['rejected']} rejected, mean length {_f(e['rejected_len_mean'], 1)} tokens) vs raw "
-                f"{_f(r['share_long'])} ({r['rejected']} rejected, mean length {_f(r['rejected_len_mean'], 1)}).")
+                f"{_f(r['share_long'])} ({r['rejected']} rejected, mean length {_f(r['rejected_len_mean'], 1)}); "
+                f"effective − raw {_iv(iv)}; the claim needs it below 0.")
     return ""
+
+
+def _seed_table(runs: list[dict], best: dict) -> list[str]:
+    """Per method, the validation average over seeds with its 95% t-interval: best (Table 1's Avg.),
+    final, and the mean over the validated versions after θ_0 (claim (c)'s learning score)."""
+    from analysis.claims import interval
+
+    by = {}
+    for r in runs:
+        if r.get("validation_avg"):
+            by.setdefault(r["label"], []).append(r)
+    if not by:
+        return []
+    pct = lambda iv: f"{100 * iv['mean']:.1f}" + ("" if iv["n"] < 2 else f" [{100 * iv['lo']:.1f}, {100 * iv['hi']:.1f}]")  # noqa: E731
+    out = ["Validation average (%) over seeds, mean [95% t-interval]:", "",
+           "| method | seeds | best (Table 1) | final | mean after θ_0 |", "| --- | --- | --- | --- | --- |"]
+    for label, rs in by.items():
+        final = interval([r["validation_avg"][-1] for r in rs])
+        after = interval([sum(a for v, a in zip(r["validation_versions"], r["validation_avg"]) if v > 0)
+                          / max(1, sum(v > 0 for v in r["validation_versions"])) for r in rs])
+        b = best.get(label)
+        out.append(f"| {label} | {len(rs)} | {pct(b) if b else '–'} | {pct(final)} | {pct(after)} |")
+    return out + [""]
 
 
 def write_report(out: Path, numbers: dict, title: str = "") -> Path:
@@ -115,7 +152,10 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
                   f"ranged {noise['min']:.3f}–{noise['max']:.3f} (standard deviation {noise['std']:.3f}) from sampling alone; "
                   "differences between single validations smaller than that are not evidence."]
     lines += ["", "## Claims", "",
-              "Each rule was fixed before the runs (analysis/claims.py); the numbers below come from the run logs.", ""]
+              "Each rule was fixed before the runs (analysis/claims.py, whose docstring states it); the numbers below come "
+              "from the run logs. A verdict is decided on a 95% Student-t interval over seeds (runs paired by seed): "
+              "holds when the interval lies on the claimed side, does not hold when it lies on the other, "
+              "inconclusive when it straddles the boundary.", ""]
     for key, name in CLAIMS.items():
         c = numbers["claims"][key]
         lines += [f"- {name}: {_verdict(c)}. {_claim_text(key, c)}".rstrip(), ""]
@@ -131,6 +171,7 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
         lines += ["## Table 1 layout: best validation", "",
                   f"Per method, each run's best validation average {within}, mean over seeds.", "",
                   table.read_text().strip(), ""]
+        lines += _seed_table(runs, m.get("avg_interval", {}))
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -1,38 +1,53 @@
 #!/usr/bin/env bash
 # The small-scale study on a CPU, then every figure, table and the report into reports/tiny/.
 #
-#   bash scripts/reproduce_tiny.sh                  # the whole study (~1.4 h on 2 cores; STEPS=150 for longer runs)
+#   bash scripts/reproduce_tiny.sh                  # the whole study: 12 methods × 3 seeds, 100 steps (~4 h on 2 cores)
 #   STEPS=20 SEEDS="0" OUT=/tmp/s REPORT=/tmp/r bash scripts/reproduce_tiny.sh   # a quick dry run
+#   ONLY="sync async" bash scripts/reproduce_tiny.sh   # some methods only (the report is built from every finished run)
 #
 # Runs, one after another (2 cores hold one run at a time), each `python train.py` with its own
 # run directory under $OUT, offline wandb logging and in-training validation (the tiny `eval=`
-# schedule: mean@4 every 20 steps):
-#   Sync, Async, PACE (effective, γ = 1)  × seeds $SEEDS
-#   PACE (raw), PACE γ = 2 and 4, M2PO, Stale-k with k = 1, 2, 4, 8   × seed 0
+# schedule: mean@4 every 20 steps), for every seed in $SEEDS (seed by seed, so that a study
+# stopped part-way has whole seeds):
+#   Sync, Async, PACE (effective, γ = 1), PACE (raw), PACE (gen), PACE γ = 2 and 4, M2PO,
+#   Stale-k with k = 1, 2, 4, 8
 # A run that already finished (summary.json says so) is skipped, so an interrupted study resumes
 # where it stopped. Extra arguments are Hydra overrides for every run.
+#
+# $OUT/runs.tsv gets one line per run made: when, at which commit, its wall time, and the CPU time
+# the rest of the machine used meanwhile (/proc/stat minus the run's own): a run during which other
+# work took more than 0.15 of a core is marked not comparable. setup.md lists them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-runs/tiny_study}
 REPORT=${REPORT:-reports/tiny}
-STEPS=${STEPS:-90}
+STEPS=${STEPS:-100}
 SEEDS=${SEEDS:-"0 1 2"}
+ONLY=${ONLY:-}
 EXTRA=("$@")
 
+declare -A METHOD=(
+  [sync]="+exp=sync_tiny" [async]="+exp=async_tiny" [pace]="+exp=pace_tiny" [pace_raw]="+exp=pace_raw_tiny"
+  [pace_gen]="+exp=pace_gen_tiny" [pace_gamma2]="+exp=pace_tiny pace.gamma=2" [pace_gamma4]="+exp=pace_tiny pace.gamma=4"
+  [m2po]="+exp=m2po_tiny" [stalek1]="+exp=stalek_tiny pool.max_lag=1" [stalek2]="+exp=stalek_tiny pool.max_lag=2"
+  [stalek4]="+exp=stalek_tiny pool.max_lag=4" [stalek8]="+exp=stalek_tiny pool.max_lag=8"
+)
+ORDER=(sync async pace pace_raw pace_gen pace_gamma2 pace_gamma4 m2po stalek1 stalek2 stalek4 stalek8)
 runs=()
 for seed in $SEEDS; do
-  for m in sync async pace; do runs+=("${m}_s${seed} +exp=${m}_tiny seed=${seed}"); done
+  for m in "${ORDER[@]}"; do
+    [[ -z "$ONLY" || " $ONLY " == *" $m "* ]] && runs+=("${m}_s${seed} ${METHOD[$m]} seed=${seed}")
+  done
 done
-runs+=("pace_raw_s0 +exp=pace_raw_tiny seed=0")
-for g in 2 4; do runs+=("pace_gamma${g}_s0 +exp=pace_tiny pace.gamma=${g} seed=0"); done
-runs+=("m2po_s0 +exp=m2po_tiny seed=0")
-for k in 1 2 4 8; do runs+=("stalek${k}_s0 +exp=stalek_tiny pool.max_lag=${k} seed=0"); done
 
 finished() { [[ -f "$1/summary.json" ]] && grep -q '"status": "finished"' "$1/summary.json"; }
+busy_jiffies() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9; exit}' /proc/stat; }  # all cores, 1/100 s
 
 mkdir -p "$OUT/logs"
+[[ -f "$OUT/runs.tsv" ]] || printf "run\tstarted (UTC)\tcommit\twall_s\trun_cpu_s\tother_cpu_s\tcomparable\n" >"$OUT/runs.tsv"
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)  # the code the runs are made with
+git diff --quiet HEAD 2>/dev/null || commit="${commit}+dirty"
 start=$(date +%s)
 i=0
 for spec in "${runs[@]}"; do
@@ -44,20 +59,30 @@ for spec in "${runs[@]}"; do
     continue
   fi
   rm -rf "$dir"
-  t0=$(date +%s)
+  t0=$(date +%s.%N) j0=$(busy_jiffies) when=$(date -u +%FT%TZ)
   # shellcheck disable=SC2086
-  python train.py $args trainer.steps="$STEPS" logger.mode=offline logger.progress=false \
-    logger.group=tiny_study hydra.run.dir="$dir" "${EXTRA[@]}" >"$OUT/logs/$name.log" 2>&1 \
+  /usr/bin/time -f "%U %S" -o "$OUT/logs/$name.cpu" python train.py $args trainer.steps="$STEPS" logger.mode=offline \
+    logger.progress=false logger.group=tiny_study hydra.run.dir="$dir" "${EXTRA[@]}" >"$OUT/logs/$name.log" 2>&1 \
     || { echo "[$i/${#runs[@]}] $name FAILED: see $OUT/logs/$name.log"; tail -5 "$OUT/logs/$name.log"; exit 1; }
-  echo "[$i/${#runs[@]}] $name: $(( $(date +%s) - t0 )) s"
+  read -r wall other own <<<"$(awk -v t0="$t0" -v t1="$(date +%s.%N)" -v j0="$j0" -v j1="$(busy_jiffies)" \
+    '{own = $1 + $2; printf "%.1f %.1f %.1f", t1 - t0, (j1 - j0) / 100 - own, own}' "$OUT/logs/$name.cpu")"
+  ok=$(awk -v o="$other" -v w="$wall" 'BEGIN {print (o / w <= 0.15) ? "yes" : "no"}')
+  printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\n" "$name" "$when" "$commit" "$wall" "$own" "$other" "$ok" >>"$OUT/runs.tsv"
+  echo "[$i/${#runs[@]}] $name: ${wall} s (other work on the machine: ${other} CPU s; comparable: $ok)"
 done
 elapsed=$(( $(date +%s) - start ))
 
 mkdir -p "$REPORT"
-cat >"$REPORT/setup.md" <<EOF
-- Machine: $(nproc) CPU cores ($(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | xargs || echo unknown)), no GPU.
-- Code: commit ${commit} (runs; the report is built by the analysis at the same checkout); command: \`bash scripts/reproduce_tiny.sh ${EXTRA[*]:-}\` with STEPS=${STEPS}, SEEDS="${SEEDS}".
-- Study wall time: $((elapsed / 60)) min $((elapsed % 60)) s for the runs not already finished (${#runs[@]} runs in all).
-EOF
+rules=$(git log -1 --format="%h (%cs)" -- analysis/claims.py 2>/dev/null || echo unknown)
+{
+  echo "- Machine: $(nproc) CPU cores ($(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | xargs || echo unknown)), no GPU."
+  echo "- Command: \`bash scripts/reproduce_tiny.sh ${EXTRA[*]:-}\` with STEPS=${STEPS}, SEEDS=\"${SEEDS}\"; the report built at commit ${commit}."
+  echo "- Claim rules: analysis/claims.py as last changed in commit ${rules}, before the runs below."
+  echo "- This invocation: $((elapsed / 60)) min $((elapsed % 60)) s for the runs not already finished (${#runs[@]} runs asked for)."
+  echo "- Every run made, in order (wall time with the machine otherwise idle unless \"comparable\" says no):"
+  echo
+  awk -F'\t' 'NR == 1 {print "| " $1 " | " $2 " | " $3 " | wall (s) | other work (CPU s) | comparable |"; print "| --- | --- | --- | --- | --- | --- |"; next}
+              {print "| " $1 " | " $2 " | " $3 " | " $4 " | " $6 " | " $7 " |"}' "$OUT/runs.tsv"
+} >"$REPORT/setup.md"
 python -m analysis.build "$OUT" --out "$REPORT" --report --title "PACE at small scale: a CPU reproduction"
 echo "study: ${elapsed} s; report: $REPORT/report.md"

@@ -105,30 +105,101 @@ def test_validation_rows_get_the_wall_time_at_which_their_weights_existed():
     assert len(r.steps) == 4  # validation rows are not steps
 
 
+def test_interval_is_the_student_t_interval_over_seeds():
+    iv = claims.interval([1.0, 2.0, 6.0])  # mean 3, sd √7, t(0.975, 2) = 4.3027
+    half = 4.302653 * 7 ** 0.5 / 3 ** 0.5
+    assert iv["n"] == 3 and iv["mean"] == 3.0 and iv["lo"] == pytest.approx(3 - half) and iv["hi"] == pytest.approx(3 + half)
+    assert claims.below(iv, 10.0) == "holds" and claims.below(iv, -5.0) == "does not hold"
+    assert claims.below(iv, 3.0) == "inconclusive"
+    assert claims.above(iv, -5.0) == "holds" and claims.above(iv, 10.0) == "does not hold"
+    one = claims.interval([1.0])
+    assert claims.below(one, 10.0) == claims.above(one, -10.0) == "inconclusive"  # one seed decides nothing
+
+
+def _async_pace(seed: int, backlog: float, k_wait_pace: float, pace_seconds: float = 1.0):
+    asyn = _run({"pool": {"name": "async"}, "seed": seed},
+                {"pool/occupancy": [10] * 10 + [10 + backlog] * 10, "staleness/k_wait_mean": [1.0] * 10 + [4.0] * 10,
+                 "rollout/acc_mean": [0.5] * 20})
+    pace = _run({"pool": {"name": "pace"}, "seed": seed},
+                {"pool/occupancy": [10] * 20, "staleness/k_wait_mean": [k_wait_pace] * 20, "rollout/acc_mean": [0.5] * 20})
+    pace.steps["time/step"] = pace_seconds
+    return asyn, pace
+
+
 def test_claim_b_and_c_rules_by_hand():
-    asyn = _run({"pool": {"name": "async"}}, {"pool/occupancy": [10] * 10 + [50] * 10, "staleness/k_wait_mean": [1.0] * 10 + [4.0] * 10,
-                                             "rollout/acc_mean": [0.5] * 20})
-    pace = _run({"pool": {"name": "pace"}}, {"pool/occupancy": [10] * 20, "staleness/k_wait_mean": [1.0] * 20,
-                                            "rollout/acc_mean": [0.5] * 20})
-    groups = {"Async": [asyn], "PACE": [pace]}
+    runs = [_async_pace(s, backlog, kw) for s, backlog, kw in [(0, 40, 1.0), (1, 30, 1.2), (2, 50, 0.8)]]
+    groups = {"Async": [a for a, _ in runs], "PACE": [p for _, p in runs]}
     b = claims.backlog(groups)
-    assert b["holds"] and (b["occupancy_first_tenth"], b["occupancy_last_tenth"]) == (10, 50)
+    assert b["verdict"] == "holds" and (b["occupancy_first_tenth"], b["occupancy_last_tenth"]) == (10, 50)
+    assert b["interval"]["occupancy"]["values"] == [40, 30, 50] and b["interval"]["k_wait"]["mean"] == 3.0
     c = claims.pace_vs_async(groups, warmup=0)
-    assert c["k_wait_mean"] == {"PACE": 1.0, "Async": 2.5} and c["lower_k_wait"]
-    assert c["score_metric"] == "last-tenth rollout accuracy" and c["learns_as_well"] and c["time_ratio"] == 1.0
-    assert c["holds"]
+    assert c["k_wait_mean"] == {"PACE": pytest.approx(1.0), "Async": 2.5} and c["seeds"] == [0, 1, 2]
+    assert c["interval"]["k_wait"]["values"] == pytest.approx([-1.5, -1.3, -1.7])  # paired by seed
+    assert c["score_metric"] == "last-tenth rollout accuracy" and c["interval"]["time_ratio"]["values"] == [1.0] * 3
+    # equal scores: the interval is [0, 0], inside the margin; equal step times: within 10%
+    assert c["parts"] == {"lower_k_wait": "holds", "learns_as_well": "holds", "close_wall_time": "holds"} and c["holds"]
+    # a backlog in one seed only: inconclusive; PACE 30% slower in every seed: (c) does not hold
+    flat = [_async_pace(s, backlog, 1.0, 1.3) for s, backlog in [(0, 40), (1, -5), (2, 0)]]
+    groups = {"Async": [a for a, _ in flat], "PACE": [p for _, p in flat]}
+    assert claims.backlog(groups)["verdict"] == "inconclusive"
+    c = claims.pace_vs_async(groups, warmup=0)
+    assert c["parts"]["close_wall_time"] == "does not hold" and c["verdict"] == "does not hold" and not c["holds"]
+
+
+def _val(r: list[float]) -> list[dict]:
+    return [{"val/avg": a, "val/version": 10 * i} for i, a in enumerate(r)]
+
+
+def test_claim_c_scores_the_validations_after_theta_0_against_the_margin():
+    def pair(seed, pace_val, async_val):
+        a = _run({"pool": {"name": "async"}, "seed": seed}, {"staleness/k_wait_mean": [3.0] * 4, "rollout/acc_mean": [0.5] * 4},
+                 val=_val(async_val))
+        p = _run({"pool": {"name": "pace"}, "seed": seed}, {"staleness/k_wait_mean": [1.0] * 4, "rollout/acc_mean": [0.5] * 4},
+                 val=_val(pace_val))
+        return a, p
+
+    # θ_0 is left out (0.9 vs 0.1 there): after it PACE is 0.05 worse in every seed, beyond the 0.02 margin
+    rs = [pair(s, [0.9, 0.40 + d, 0.50 + d], [0.1, 0.45 + d, 0.55 + d]) for s, d in enumerate([0.0, 0.01, 0.02])]
+    c = claims.pace_vs_async({"Async": [a for a, _ in rs], "PACE": [p for _, p in rs]}, warmup=0)
+    assert c["score_metric"] == "mean validation average after θ_0"
+    assert c["interval"]["score"]["values"] == pytest.approx([-0.05] * 3) and c["parts"]["learns_as_well"] == "does not hold"
+    deltas = [(0.03, -0.01), (-0.02, 0.0), (0.0, -0.03)]  # PACE − Async after θ_0: +0.01, −0.01, −0.015
+    rs = [pair(s, [0.1, 0.45 + d, 0.55 + e], [0.1, 0.45, 0.55]) for s, (d, e) in enumerate(deltas)]
+    c = claims.pace_vs_async({"Async": [a for a, _ in rs], "PACE": [p for _, p in rs]}, warmup=0)
+    assert c["parts"]["learns_as_well"] == "inconclusive" and c["parts"]["lower_k_wait"] == "holds"  # −2 in every seed
+
+
+def test_claim_a_fits_a_slope_per_seed_against_log2_k():
+    def run(k, seed, acc):
+        return _run({"pool": {"name": "stale_k", "max_lag": k}, "seed": seed}, {"rollout/acc_mean": [acc] * 4 + [0.9] * 4})
+
+    slow = {f"Stale-{k}": [run(k, s, 0.6 - 0.02 * i + 0.01 * s) for s in range(3)] for i, k in enumerate([1, 2, 4, 8])}
+    a = claims.stale_k(slow)
+    assert a["interval"]["values"] == pytest.approx([-0.02] * 3) and a["monotone"]
+    assert a["early_rollout_acc"]["Stale-1"] == pytest.approx(0.61)  # the first half only
+    noisy = {f"Stale-{k}": [run(k, s, 0.6 + 0.02 * (-1) ** (s + i) * i) for s in range(3)] for i, k in enumerate([1, 2, 4, 8])}
+    assert claims.stale_k(noisy)["verdict"] == "inconclusive"
 
 
 def test_claim_d_counts_long_rejections_against_the_run_median():
     def groups(rejected_lengths):
         kept = [10.0, 20.0, 30.0, 40.0]
-        rows = [{"fate": "consumed", "len_mean": x} for x in kept] + [{"fate": "rejected", "len_mean": x} for x in rejected_lengths]
+        rows = [{"fate": "consumed", "len_mean": x} for x in kept]
+        rows += [{"fate": "rejected", "len_mean": x} for x in rejected_lengths]
         return pd.DataFrame(rows)
 
-    eff = _run({"pool": {"name": "pace"}}, {"x": [0]}, groups([10.0, 50.0]))  # median of all 6: 30 → 1 of 2 long
-    raw = _run({"pool": {"name": "pace"}, "pace": {"score": "raw"}}, {"x": [0]}, groups([45.0, 50.0]))  # median 35 → 2 of 2
-    d = claims.long_rejections({"PACE": [eff], "PACE (raw)": [raw]})
-    assert d["PACE"]["share_long"] == 0.5 and d["PACE (raw)"]["share_long"] == 1.0 and d["holds"]
+    def pace(score, seed, rejected):
+        return _run({"pool": {"name": "pace"}, "pace": {"score": score}, "seed": seed}, {"x": [0]}, groups(rejected))
+
+    # effective: 1 of 2 rejected groups above the run's median (25); raw: 2 of 2 (median 35), in every seed
+    eff = [pace("effective", s, [10.0, 50.0]) for s in range(3)]
+    raw = [pace("raw", s, [45.0, 50.0 + s]) for s in range(3)]
+    d = claims.long_rejections({"PACE": eff, "PACE (raw)": raw})
+    assert d["PACE"]["share_long"] == 0.5 and d["PACE (raw)"]["share_long"] == 1.0 and d["PACE"]["rejected"] == 6
+    assert d["interval"]["values"] == [-0.5] * 3 and d["verdict"] == "holds"
+    raw[2] = pace("raw", 2, [10.0, 50.0])  # seed 2: as the effective run → differences −0.5, −0.5, 0
+    d = claims.long_rejections({"PACE": eff, "PACE (raw)": raw})
+    assert d["interval"]["mean"] == pytest.approx(-1 / 3) and d["interval"]["hi"] > 0 and d["verdict"] == "inconclusive"
 
 
 def test_claims_without_their_runs_are_not_tested():
