@@ -1,7 +1,10 @@
 """report.md: the figures, Table 1 and the four claims in words, for a reader who has not read the code."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+import numpy as np
 
 CAPTIONS = {
     "validation": ("Validation accuracy (Figures 1 and 5)",
@@ -73,6 +76,46 @@ def _iv(iv: dict, nd: int = 3, sign: bool = True) -> str:
     if iv["n"] < 2:
         return f"{fmt(iv['mean'])} (one seed: no interval)"
     return f"{fmt(iv['mean'])} [{fmt(iv['lo'])}, {fmt(iv['hi'])}] ({iv['level']:.0%} t-interval, {iv['n']} seeds)"
+
+
+def seeds_to_decide(iv: dict, bound: float, most: int = 200) -> int | None:
+    """Seeds an interval like this one (same mean and spread) would need to exclude ``bound``: the
+    smallest n with t(0.975, n−1)·sd/√n < |mean − bound| (None: no spread measured, or over ``most``)."""
+    from scipy import stats
+
+    xs = iv.get("values", [])
+    if len(xs) < 2:
+        return None
+    sd, gap = float(np.std(xs, ddof=1)), abs(iv["mean"] - bound)
+    if sd == 0 or gap == 0:
+        return None
+    return next((n for n in range(2, most + 1) if stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n) < gap), None)
+
+
+BOUNDS = {"a_stale_k": {"": 0.0}, "b_backlog": {"occupancy": 0.0, "k_wait": 0.0},
+          "d_long_rejections": {"": 0.0}, "c_pace_vs_async": {"k_wait": 0.0, "score": None, "time_ratio": None}}
+
+
+def _needs(key: str, c: dict) -> str:
+    """For an inconclusive claim: how many seeds the observed spread would take to decide each part."""
+    if not c.get("tested") or c["verdict"] != "inconclusive":
+        return ""
+    bounds = dict(BOUNDS[key])
+    if key == "c_pace_vs_async":
+        bounds.update(score=-c["margin"], time_ratio=1 + c["time_slack"])
+    from analysis.claims import OPEN, above, below
+
+    decide = {"a_stale_k": below, "d_long_rejections": below, "b_backlog": above}.get(key)
+    c_parts = {"k_wait": "lower_k_wait", "score": "learns_as_well", "time_ratio": "close_wall_time"}
+    out = []
+    for part, bound in bounds.items():
+        iv = c["interval"] if part == "" else c["interval"][part]
+        if (c["parts"][c_parts[part]] if key == "c_pace_vs_async" else decide(iv, bound)) != OPEN:
+            continue  # this part is decided
+        n = seeds_to_decide(iv, bound)
+        name = "" if part == "" else f"{part}: "
+        out.append(f"{name}{'about ' + str(n) if n else 'more than 200 (or no spread measured)'} seeds")
+    return " At the spread observed, an interval would exclude the boundary with " + "; ".join(out) + "."
 
 
 def _claim_text(key: str, c: dict) -> str:
@@ -158,7 +201,7 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
               "inconclusive when it straddles the boundary.", ""]
     for key, name in CLAIMS.items():
         c = numbers["claims"][key]
-        lines += [f"- {name}: {_verdict(c)}. {_claim_text(key, c)}".rstrip(), ""]
+        lines += [f"- {name}: {_verdict(c)}. {_claim_text(key, c)}{_needs(key, c)}".rstrip(), ""]
     for name in numbers["figures"]:
         head, caption = CAPTIONS[name]
         lines += [f"## {head}", "", f"![{head}]({name}.png)", "", caption, ""]

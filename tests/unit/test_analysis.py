@@ -205,3 +205,17 @@ def test_claim_d_counts_long_rejections_against_the_run_median():
 def test_claims_without_their_runs_are_not_tested():
     out = claims.evaluate_claims([_run({"pool": {"name": "sync"}}, {"rollout/acc_mean": [0.5]})])
     assert all(not c["tested"] for c in out.values())
+
+
+def test_the_report_says_how_many_seeds_an_undecided_claim_would_need():
+    from analysis.report import _needs, seeds_to_decide
+
+    iv = claims.interval([1.0, 2.0, 6.0])  # mean 3, sd 2.65: t(4)·sd/√5 = 3.29 > 3, t(5)·sd/√6 = 2.78 < 3
+    assert seeds_to_decide(iv, 0.0) == 6 and seeds_to_decide(iv, 3.0) is None
+    assert seeds_to_decide(claims.interval([1.0]), 0.0) is None
+    a = {"tested": True, "verdict": "inconclusive", "interval": iv}
+    assert "about 6 seeds" in _needs("a_stale_k", a) and _needs("a_stale_k", {**a, "verdict": "holds"}) == ""
+    c = {"tested": True, "verdict": "inconclusive", "margin": 0.02, "time_slack": 0.1,
+         "parts": {"lower_k_wait": "holds", "learns_as_well": "inconclusive", "close_wall_time": "holds"},
+         "interval": {"k_wait": iv, "score": claims.interval([0.01, -0.02, 0.0]), "time_ratio": iv}}
+    assert _needs("c_pace_vs_async", c).count("seeds") == 1 and "score: about" in _needs("c_pace_vs_async", c)
