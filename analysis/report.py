@@ -61,7 +61,8 @@ def _verdict(c: dict) -> str:
     if not c.get("tested"):
         return f"**not tested** ({c.get('why', 'runs missing')})"
     ivs = [c["interval"]] if "n" in c["interval"] else list(c["interval"].values())
-    why = "one seed: no interval to decide on" if min(iv["n"] for iv in ivs) < 2 else "the interval over seeds straddles the boundary"
+    one = min(iv["n"] for iv in ivs) < 2
+    why = "one seed: no interval to decide on" if one else "the interval over seeds straddles the boundary"
     return {"holds": "**holds**", "does not hold": "**does not hold** at this scale",
             "inconclusive": f"**inconclusive** ({why})"}[c["verdict"]]
 
