@@ -111,11 +111,15 @@ def _needs(key: str, c: dict) -> str:
     out = []
     for part, bound in bounds.items():
         iv = c["interval"] if part == "" else c["interval"][part]
+        if iv["n"] < 2:
+            continue  # one seed: no spread to extrapolate from
         if (c["parts"][c_parts[part]] if key == "c_pace_vs_async" else decide(iv, bound)) != OPEN:
             continue  # this part is decided
         n = seeds_to_decide(iv, bound)
         name = "" if part == "" else f"{part}: "
         out.append(f"{name}{'about ' + str(n) if n else 'more than 200 (or no spread measured)'} seeds")
+    if not out:
+        return ""
     return " At the spread observed, an interval would exclude the boundary with " + "; ".join(out) + "."
 
 
@@ -192,7 +196,8 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
                      f"{sum(r['train_seconds'] for r in rs) / 60:.1f} | {'/'.join(map(str, vals))} |")
     noise = numbers.get("val_noise")
     if noise:
-        lines += ["", f"Validation noise: θ_0 is the same model in all {noise['runs']} runs, and its validation average "
+        lines += ["", "Validation noise: θ_0 is the same model in every run, and its validation average over "
+                  f"{noise['runs']} seeds "
                   f"ranged {noise['min']:.3f}–{noise['max']:.3f} (standard deviation {noise['std']:.3f}) from sampling alone; "
                   "differences between single validations smaller than that are not evidence."]
     lines += ["", "## Claims", "",

@@ -74,9 +74,11 @@ elapsed=$(( $(date +%s) - start ))
 
 mkdir -p "$REPORT"
 rules=$(git log -1 --format="%h (%cs)" -- analysis/claims.py 2>/dev/null || echo unknown)
+built=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)  # the analysis that builds the report (runs: their own column)
+git diff --quiet HEAD -- analysis 2>/dev/null || built="${built}+dirty"
 {
   echo "- Machine: $(nproc) CPU cores ($(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | xargs || echo unknown)), no GPU."
-  echo "- Command: \`bash scripts/reproduce_tiny.sh ${EXTRA[*]:-}\` with STEPS=${STEPS}, SEEDS=\"${SEEDS}\"; the report built at commit ${commit}."
+  echo "- Command: \`bash scripts/reproduce_tiny.sh ${EXTRA[*]:-}\` with STEPS=${STEPS}, SEEDS=\"${SEEDS}\" (each run's commit is in the table below); the report built by analysis/ at commit ${built}."
   echo "- Claim rules: analysis/claims.py as last changed in commit ${rules}, before the runs below."
   echo "- This invocation: $((elapsed / 60)) min $((elapsed % 60)) s for the runs not already finished (${#runs[@]} runs asked for)."
   echo "- Every run made, in order (wall time with the machine otherwise idle unless \"comparable\" says no):"
