@@ -80,7 +80,8 @@ git diff --quiet HEAD -- analysis 2>/dev/null || built="${built}+dirty"
   echo "- Machine: $(nproc) CPU cores ($(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | xargs || echo unknown)), no GPU."
   echo "- Command: \`bash scripts/reproduce_tiny.sh ${EXTRA[*]:-}\` with STEPS=${STEPS}, SEEDS=\"${SEEDS}\" (each run's commit is in the table below); the report built by analysis/ at commit ${built}."
   echo "- Claim rules: analysis/claims.py as last changed in commit ${rules}, before the runs below."
-  echo "- This invocation: $((elapsed / 60)) min $((elapsed % 60)) s for the runs not already finished (${#runs[@]} runs asked for)."
+  echo "- This invocation: $((elapsed / 60)) min $((elapsed % 60)) s for the runs not already finished (${#runs[@]} runs asked for);" \
+    "all runs made so far: $(awk -F'\t' 'NR > 1 {n++; w += $4} END {printf "%d, %.0f min of wall time", n, w / 60}' "$OUT/runs.tsv")."
   echo "- Every run made, in order (wall time with the machine otherwise idle unless \"comparable\" says no):"
   echo
   awk -F'\t' 'NR == 1 {print "| " $1 " | " $2 " | " $3 " | wall (s) | other work (CPU s) | comparable |"; print "| --- | --- | --- | --- | --- | --- |"; next}
