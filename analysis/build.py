@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from analysis import figures  # noqa: E402
-from analysis.claims import evaluate_claims, interval  # noqa: E402
+from analysis.claims import evaluate_claims, interval, learning_score  # noqa: E402
 from analysis.runs import SOURCES, Run, load, load_group  # noqa: E402
 
 FIGURES = {
@@ -57,6 +57,7 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
                   "validations": len(r.val), "groups": len(r.groups),
                   "validation_versions": [int(v) for v in r.val["version"]] if not r.val.empty else [],
                   "validation_avg": [float(v) for v in r.val["val/avg"]] if not r.val.empty else [],
+                  "learning_score": learning_score(r)[0],
                   "train_seconds": float(r.steps["time/step"].sum()) if not r.steps.empty else 0.0} for r in runs],
         "mean_at_k": {"k": k, "within": within, "table": table, "best": where,
                       "avg_interval": {label: interval([b["avg"] for b in rows]) for label, rows in where.items()}},

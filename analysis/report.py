@@ -81,7 +81,8 @@ def _iv(iv: dict, nd: int = 3, sign: bool = True) -> str:
 
 def seeds_to_decide(iv: dict, bound: float, most: int = 200) -> int | None:
     """Seeds an interval like this one (same mean and spread) would need to exclude ``bound``: the
-    smallest n with t(0.975, n−1)·sd/√n < |mean − bound| (None: no spread measured, or over ``most``)."""
+    smallest n with t(q, n−1)·sd/√n < |mean − bound|, q from the interval's level (None: no spread
+    measured, or over ``most``)."""
     from scipy import stats
 
     xs = iv.get("values", [])
@@ -90,7 +91,8 @@ def seeds_to_decide(iv: dict, bound: float, most: int = 200) -> int | None:
     sd, gap = float(np.std(xs, ddof=1)), abs(iv["mean"] - bound)
     if sd == 0 or gap == 0:
         return None
-    return next((n for n in range(2, most + 1) if stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n) < gap), None)
+    q = 0.5 + iv["level"] / 2
+    return next((n for n in range(2, most + 1) if stats.t.ppf(q, n - 1) * sd / math.sqrt(n) < gap), None)
 
 
 BOUNDS = {"a_stale_k": {"": 0.0}, "b_backlog": {"occupancy": 0.0, "k_wait": 0.0},
@@ -170,8 +172,7 @@ def _seed_table(runs: list[dict], best: dict) -> list[str]:
            "| method | seeds | best (Table 1) | final | mean after θ_0 |", "| --- | --- | --- | --- | --- |"]
     for label, rs in by.items():
         final = interval([r["validation_avg"][-1] for r in rs])
-        after = interval([sum(a for v, a in zip(r["validation_versions"], r["validation_avg"]) if v > 0)
-                          / max(1, sum(v > 0 for v in r["validation_versions"])) for r in rs])
+        after = interval([r["learning_score"] for r in rs])
         b = best.get(label)
         out.append(f"| {label} | {len(rs)} | {pct(b) if b else '–'} | {pct(final)} | {pct(after)} |")
     return out + [""]
