@@ -77,7 +77,8 @@ def _base_label(pool: dict, algo: dict, pace: dict) -> str:
 
 def from_records(name: str, source: str, rows: list[dict], groups: pd.DataFrame, summary: dict, config: dict) -> Run:
     """A `Run` from logged step rows (metrics.jsonl or wandb history: the same keys)."""
-    steps = pd.DataFrame([r for r in rows if "train/loss" in r])
+    # a training step's row has its time (a simulated run, pace/sim, has no loss); validations' rows do not
+    steps = pd.DataFrame([r for r in rows if "time/step" in r])
     if not steps.empty:
         steps = steps.sort_values("step" if "step" in steps else "_step").reset_index(drop=True)
         steps["wall"] = steps["time/step"].cumsum()

@@ -1,0 +1,246 @@
+"""A simulated vLLM engine: continuous batching over decode steps, a KV budget, weight updates in flight.
+
+Each decode step, every running sequence produces one token. A step costs
+
+    latency = step_s + per_seq_s · n + per_ctx_token_s · S        n running, S = Σ context (KV in use)
+
+(a fixed launch/sampling cost, a per-sequence cost, and attention reading the KV cache; all ×
+`train_slowdown` while the trainer trains, for engines that share its processors: the CPU lab's
+2 cores, or `rollout.placement=colocate`), and
+prefill costs `prefill_token_s` per token, paid on the next step: a group's prompt once per
+weights version (its G requests share it through prefix caching, salted by version as in the real
+rollout), a preempted sequence's whole context again when it resumes (recompute), and the prefixes
+PACE rescores. A sequence is admitted (first come, first served) while fewer than
+`rollout.max_num_seqs` run and its context fits the KV budget (`kv_tokens`); when decoding would
+overflow it, the newest sequence is preempted to the front of the queue (vLLM's recompute
+preemption).
+
+Between two events (a finish, a preemption, an arrival, an update) n is fixed and S grows by n per
+step, so m steps take  P + m·(a + b·n + c·S) + c·n·m(m−1)/2  (P: pending prefill), in closed
+form: the engine jumps from event to event, exact to the step, at O(log n) per event whatever the
+number of decode steps in between. An arrival or an update at time t lands at the end of the step
+in progress (`advance_to`), as vLLM admits requests and `pause_generation(mode="keep")` loads
+weights between steps; requests in flight continue under the new weights.
+
+Token versions: the engine logs the decode-step counter at each load, so a response's version
+spans follow from the counters it ran at: a token's version is the one loaded at its step.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from pace.sim.records import SimGroup
+
+
+@dataclass
+class Finished:
+    """Response ``index`` of ``group`` produced its last token at simulated time ``time``."""
+
+    group: SimGroup
+    index: int
+    time: float
+
+
+class SimEngine:
+    def __init__(self, idx: int, cfg, max_num_seqs: int):
+        self.idx = idx
+        self.a, self.b, self.c = cfg.step_s, cfg.per_seq_s, cfg.per_ctx_token_s
+        self.prefill_s, self.stall_s = cfg.prefill_token_s, cfg.stall_s
+        self.slow = 1.0  # latency factor (`train_slowdown` while a colocated trainer trains)
+        self.kv = math.inf if cfg.kv_tokens is None else cfg.kv_tokens
+        self.max_seqs = max_num_seqs
+        self.version = 0
+        self._vc, self._vv = [0], [0]  # version log: decode-step counter at which each version loaded
+        self.counter = 0  # decode steps done
+        self.clock = 0.0  # time at the end of step `counter` (or of a stall / idle time after it)
+        self.n = 0  # running sequences
+        self.S = 0  # their Σ context: KV tokens in use
+        self._heap: list[tuple[int, int]] = []  # (finish counter, sequence id) of running sequences
+        self._seqs: dict[int, list] = {}  # sequence id → [group, response, segment start, context at start]
+        self._order: list[int] = []  # running sequence ids in admission order (stale ids skipped)
+        self._next_sid = 0
+        self.waiting: deque[tuple[SimGroup, int, int]] = deque()  # (group, response, tokens produced)
+        self._prefill = 0  # tokens to prefill on the next step
+        self.event_id = 0  # bumped when the next event changes (a scheduled older one is stale)
+        self._next_at, self._next = -1, (0, False)  # `_steps_to_next` at event_id `_next_at`
+        self.stats = {"tokens": 0, "decode_steps": 0, "busy_s": 0.0, "preempted": 0, "prefill_tokens": 0}
+
+    @property
+    def load(self) -> int:
+        return self.n + len(self.waiting)
+
+    # --- work in (at time `now`: the engine is first brought to the step boundary then) -----------
+    def submit(self, group: SimGroup, now: float) -> list[Finished]:
+        done = self.advance_to(now)
+        group.engine = self.idx
+        self.waiting.extend((group, i, 0) for i in range(len(group.lengths)))
+        self._admit()
+        return done
+
+    def add_prefill(self, tokens: int, now: float) -> list[Finished]:
+        """Prefill work not tied to a running sequence (PACE's prefix rescoring)."""
+        done = self.advance_to(now)
+        self._prefill += tokens
+        self.event_id += 1  # the next step is longer: a scheduled event is stale
+        return done
+
+    def set_slowdown(self, factor: float, now: float) -> list[Finished]:
+        """Steps from the end of the one in progress at ``now`` on take ``factor`` × their latency."""
+        done = self.advance_to(now)
+        self.slow = factor
+        self.event_id += 1
+        return done
+
+    def load_weights(self, version: int, now: float) -> list[Finished]:
+        """Weights ``version`` load at the end of the step in progress at ``now``, then a stall."""
+        done = self.advance_to(now)
+        self.clock += self.stall_s
+        self.version = version
+        self._vc.append(self.counter)
+        self._vv.append(version)
+        self.event_id += 1  # the stall moves the next event
+        return done
+
+    # --- time ------------------------------------------------------------------------------------
+    def _span(self, m: int) -> float:
+        """Seconds of the next m steps at the current n and S (with the pending prefill)."""
+        a = self.a + self.b * self.n + self.c * self.S
+        return self.slow * (self._prefill * self.prefill_s + m * a + self.c * self.n * m * (m - 1) / 2)
+
+    def _steps_to_next(self) -> tuple[int, bool]:
+        """(steps to the next internal event, whether it is a KV overflow rather than a finish);
+        cached until the engine's state changes (`event_id`)."""
+        if self._next_at == self.event_id:
+            return self._next
+        while self._heap and self._heap[0][1] not in self._seqs:
+            heapq.heappop(self._heap)  # preempted: its entry is stale
+        m = self._heap[0][0] - self.counter
+        room = m if self.kv == math.inf else int((self.kv - self.S) // self.n)  # steps whose new tokens still fit
+        self._next_at, self._next = self.event_id, ((room, True) if room < m else (m, False))
+        return self._next
+
+    def next_event(self) -> float | None:
+        """Time of the next finish or preemption; None when idle."""
+        if self.n == 0:
+            return None
+        m, _ = self._steps_to_next()
+        return self.clock + self._span(m)
+
+    def run_event(self) -> list[Finished]:
+        """Advance to the next internal event (finishes at that step, or a preemption)."""
+        m, _ = self._steps_to_next()  # ≥ 1: every change leaves room for the next step (`_advance`, `_admit`)
+        done = self._advance(m)
+        self._admit()
+        return done
+
+    def advance_to(self, t: float) -> list[Finished]:
+        """Bring the engine to the end of the step in progress at time ``t`` (idle: to ``t``)."""
+        d = t - self.clock
+        if d <= 0:
+            return []
+        if self.n == 0:
+            self.clock = t
+            return []
+        m_next, _ = self._steps_to_next()
+        m = min(self._steps_within(d), m_next)
+        done = self._advance(m)
+        self._admit()
+        return done
+
+    def _steps_within(self, d: float) -> int:
+        """The smallest m ≥ 1 whose steps end at or after ``d`` seconds from now."""
+        a = self.a + self.b * self.n + self.c * self.S
+        q, p = self.c * self.n / 2, self._prefill * self.prefill_s
+        x = max(d / self.slow - p, 0.0)  # unscaled decode seconds to cover
+        if q > 0:
+            lin = a - q
+            m = math.ceil((-lin + math.sqrt(lin * lin + 4 * q * x)) / (2 * q))
+        else:
+            m = math.ceil(x / a)
+        m = max(m, 1)
+        while self._span(m) < d:  # floating-point rounding of the root
+            m += 1
+        while m > 1 and self._span(m - 1) >= d:
+            m -= 1
+        return m
+
+    def _advance(self, m: int) -> list[Finished]:
+        dt = self._span(m)
+        self.stats["tokens"] += self.n * m
+        self.stats["decode_steps"] += m
+        self.stats["busy_s"] += dt
+        self.stats["prefill_tokens"] += self._prefill
+        self._prefill = 0
+        self.counter += m
+        self.clock += dt
+        self.S += self.n * m
+        done = []
+        heap, seqs = self._heap, self._seqs
+        while heap and heap[0][0] <= self.counter:
+            _, sid = heapq.heappop(heap)
+            seq = seqs.pop(sid, None)
+            if seq is None:
+                continue  # preempted earlier
+            group, j, start, ctx0 = seq
+            self.n -= 1
+            self.S -= ctx0 + (self.counter - start)
+            self._close_segment(group, j, start, self.counter)
+            done.append(Finished(group, j, self.clock))
+        while self.n and self.S + self.n > self.kv:  # the next step's tokens do not fit: free the newest
+            self._preempt_newest()
+        self.event_id += 1
+        return done
+
+    def _admit(self) -> None:
+        while self.waiting and self.n < self.max_seqs:
+            group, j, produced = self.waiting[0]
+            ctx = group.prompt_tokens + produced
+            if self.n and self.S + self.n + ctx + 1 > self.kv:
+                break  # FCFS: later requests wait behind the one that does not fit
+            self.waiting.popleft()
+            if produced:  # resumed after preemption: its whole context is recomputed
+                self._prefill += ctx
+            elif group.prefix_cached != (self.idx, self.version):  # the prompt is cached per group and version
+                group.prefix_cached = (self.idx, self.version)
+                self._prefill += group.prompt_tokens
+            sid = self._next_sid
+            self._next_sid += 1
+            self._seqs[sid] = [group, j, self.counter, ctx]
+            self._order.append(sid)
+            if len(self._order) > 4 * len(self._seqs) + 1024:  # drop the ids of finished sequences
+                self._order = [i for i in self._order if i in self._seqs]
+            heapq.heappush(self._heap, (self.counter + group.lengths[j] - produced, sid))
+            self.n += 1
+            self.S += ctx
+        self.event_id += 1
+
+    def _preempt_newest(self) -> None:
+        while self._order[-1] not in self._seqs:
+            self._order.pop()
+        sid = self._order.pop()
+        group, j, start, ctx0 = self._seqs.pop(sid)
+        ran = self.counter - start
+        self._close_segment(group, j, start, self.counter)
+        self.n -= 1
+        self.S -= ctx0 + ran
+        self.waiting.appendleft((group, j, ctx0 + ran - group.prompt_tokens))
+        self.stats["preempted"] += 1
+
+    def _close_segment(self, group: SimGroup, j: int, start: int, end: int) -> None:
+        """Append the versions of the tokens made at steps start+1 … end to response j's spans."""
+        spans = group.spans[j]
+        vc, vv = self._vc, self._vv
+        i = bisect.bisect_right(vc, start) - 1
+        while start < end:
+            stop = min(end, vc[i + 1]) if i + 1 < len(vc) else end
+            if stop > start:
+                if spans and spans[-2] == vv[i]:
+                    spans[-1] += stop - start
+                else:
+                    spans += (vv[i], stop - start)
+                start = stop
+            i += 1

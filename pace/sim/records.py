@@ -1,0 +1,112 @@
+"""A simulated group: the pool's `Group`, with each response's versions kept as spans, not per token.
+
+A cluster-scale simulation makes millions of responses of thousands of tokens; per-token arrays
+would cost gigabytes and most of the run time. A response here is its length, its correctness,
+its completion version c(τ) and its version spans [v_0, n_0, v_1, n_1, …] (n_i consecutive
+tokens produced by weights v_i). Staleness is the same token-weighted integer arithmetic as
+`pace.staleness.group_staleness` (DESIGN §2), from Σ n_i and Σ v_i·n_i per response, so Lemma 1
+holds exactly and the logged spans let `analysis/summarize_run.py` recompute every value.
+
+The pool and its policies see a `Group` (id, completed_at, k_gen(), k_wait(), pfs, scores): they
+cannot tell a simulated group from a real one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pace.records import Group
+
+
+@dataclass(eq=False)
+class SimGroup(Group):
+    """G simulated responses. Arrays of length G; ``spans[i]`` is response i's flat span list."""
+
+    prompt_tokens: int = 0
+    target: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # drawn lengths
+    correct: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    reward: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    done_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # c(τ), −1 until finished
+    finished_s: float = 0.0  # simulated time the last response finished
+    spans: list = field(default_factory=list)
+    engine: int = 0
+    prefix_cached: tuple = (-1, -1)  # (engine, version) whose prefix cache holds the prompt
+    remaining: int = 0  # responses not finished yet
+    lengths: list = field(default_factory=list)  # `target` as Python ints (the engine reads them per token run)
+    _sums: tuple = (0, 0, 0)  # (Σ n, Σ v·n, Σ c·n) over the responses' tokens, set by `complete`
+
+    def complete(self) -> None:
+        """The last response finished: fix the integer sums staleness is computed from."""
+        n = v = cn = 0
+        for s, c, m in zip(self.spans, self.done_at.tolist(), self.lengths):
+            if s[-2] > c:  # versions never go back within a response: the last span is the newest
+                raise ValueError(f"group {self.id}: token version {s[-2]} is newer than completion version {c}")
+            n += m
+            v += sum(a * b for a, b in zip(s[0::2], s[1::2]))
+            cn += c * m
+        self._sums = (n, v, cn)
+
+    @property
+    def completed_at(self) -> int:
+        return int(self.done_at.max())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.target.sum())
+
+    def staleness(self, step: int) -> tuple[float, float, float]:
+        """Token-weighted (K, K_gen, K_wait) if consumed at ``step``: the integer sums of
+        `pace.staleness.group_staleness`, K = (jN − V)/N, K_gen = (CN − V)/N, K_wait = (jN − CN)/N."""
+        n, v, cn = self._sums
+        return (step * n - v) / n, (cn - v) / n, (step * n - cn) / n
+
+    def prefix_lag(self, version: int, m: int) -> np.ndarray:
+        """Per response: mean lag (version − v_t) of its first ``m`` tokens under weights ``version``."""
+        out = np.empty(len(self.spans))
+        for i, s in enumerate(self.spans):
+            left, total = m, 0
+            for v, k in zip(s[0::2], s[1::2]):
+                take = min(k, left)
+                total += take * (version - v)
+                left -= take
+                if left == 0:
+                    break
+            out[i] = total / (min(m, int(self.target[i])) or 1)
+        return out
+
+
+def group_columns(groups: list[SimGroup]) -> dict[str, list]:
+    """The per-group Parquet rows of `pace.logger.group_row` (same schema, DESIGN §6), as columns."""
+    cols: dict[str, list] = {name: [] for name in _COLUMNS}
+    for grp in groups:
+        complete = grp.remaining == 0
+        k = grp.staleness(grp.step) if complete and grp.step is not None and grp.step >= 0 else (None, None, None)
+        lengths = grp.target.tolist() if complete else []
+        rewards = grp.reward
+        add = {
+            "id": grp.id, "prompt_id": grp.prompt_id, "fate": grp.fate.value, "reason": grp.reason, "step": grp.step,
+            "submitted_at": grp.submitted_at, "c": grp.completed_at if complete else None,
+            "k": k[0], "k_gen": k[1], "k_wait": k[2], "pfs": grp.pfs, "u": grp.scores.get("u"),
+            "s_eff": grp.scores.get("s_eff"), "score": grp.scores.get("score"), "rho": grp.scores.get("rho"),
+            "budget": grp.scores.get("budget"), "pfs_version": grp.pfs_version,
+            "reward_mean": float(rewards.mean()) if complete else None,
+            "reward_std": float(rewards.std()) if complete else None,
+            "acc_mean": float(grp.correct.mean()) if complete else None,
+            "len_mean": float(grp.target.mean()) if complete else None,
+            "len_max": int(grp.target.max()) if complete else None,
+            "lengths": lengths, "num_tokens": sum(lengths),
+            "versions_spanned": max(s[-2] - s[0] + 1 for s in grp.spans) if complete else None,
+            "num_actions": sum(lengths), "tool_calls": [0] * len(lengths), "tool_errors": 0,
+            "completed_at": grp.done_at.tolist() if complete else [],
+            "version_spans": grp.spans if complete else [],
+        }
+        for name in _COLUMNS:
+            cols[name].append(add[name])
+    return cols
+
+
+_COLUMNS = ("id", "prompt_id", "fate", "reason", "step", "submitted_at", "c", "k", "k_gen", "k_wait", "pfs", "u",
+            "s_eff", "score", "rho", "budget", "pfs_version", "reward_mean", "reward_std", "acc_mean", "len_mean",
+            "len_max", "lengths", "num_tokens", "versions_spanned", "num_actions", "tool_calls", "tool_errors",
+            "completed_at", "version_spans")
