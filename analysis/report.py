@@ -125,6 +125,34 @@ def _needs(key: str, c: dict) -> str:
     return " At the spread observed, an interval would exclude the boundary with " + "; ".join(out) + "."
 
 
+# What would test a claim this study leaves undecided or sees fail: text, not a rule (written while
+# seed 2 was running, before the verdicts of seeds 0-2 were computed; which lines appear depends on them).
+NEXT = {
+    "a_stale_k": "at this scale a lag of up to 8 versions moves the tiny policy little within 50 steps; a setting in which "
+                 "8 versions are a large move (a larger learning rate or model, longer runs: a GPU) would test it",
+    "b_backlog": "more seeds, or longer runs in which the backlog reaches pool.capacity",
+    "c_pace_vs_async": "for its learning part, more seeds or longer runs (a difference in validation smaller than the "
+                       "seed spread at 100 steps cannot be told apart); for its wall-time part, every run with nothing "
+                       "else on the machine",
+    "d_long_rejections": "a task whose long responses are the ones whose prefixes drift least (the paper's long "
+                         "reasoning traces), i.e. a larger model on math with long responses: a GPU",
+}
+
+
+def _summary(claims: dict) -> list[str]:
+    """What held, what did not, what stays open, and what would test the rest."""
+    names = {k: v.split(" ", 1)[0] for k, v in CLAIMS.items()}
+    by = {v: [names[k] for k, c in claims.items() if c.get("tested") and c["verdict"] == v]
+          for v in ("holds", "does not hold", "inconclusive")}
+    out = ["## What held", "",
+           f"Held: {', '.join(by['holds']) or 'none'}. Did not hold at this scale: {', '.join(by['does not hold']) or 'none'}. "
+           f"Inconclusive: {', '.join(by['inconclusive']) or 'none'}.", ""]
+    for key, c in claims.items():
+        if c.get("tested") and c["verdict"] != "holds":
+            out += [f"- {names[key]} — to decide it: {NEXT[key]}.", ""]
+    return out
+
+
 def _claim_text(key: str, c: dict) -> str:
     if not c.get("tested"):
         return ""
@@ -209,6 +237,7 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
     for key, name in CLAIMS.items():
         c = numbers["claims"][key]
         lines += [f"- {name}: {_verdict(c)}. {_claim_text(key, c)}{_needs(key, c)}".rstrip(), ""]
+    lines += _summary(numbers["claims"])
     for name in numbers["figures"]:
         head, caption = CAPTIONS[name]
         lines += [f"## {head}", "", f"![{head}]({name}.png)", "", caption, ""]

@@ -31,13 +31,12 @@ import bisect
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from pace.sim.records import SimGroup
 
 
-@dataclass
-class Finished:
+class Finished(NamedTuple):
     """Response ``index`` of ``group`` produced its last token at simulated time ``time``."""
 
     group: SimGroup
@@ -234,6 +233,12 @@ class SimEngine:
         """Append the versions of the tokens made at steps start+1 … end to response j's spans."""
         spans = group.spans[j]
         vc, vv = self._vc, self._vv
+        if vc[-1] <= start:  # no load since the segment began (the common case): one span
+            if spans and spans[-2] == vv[-1]:
+                spans[-1] += end - start
+            elif end > start:
+                spans += (vv[-1], end - start)
+            return
         i = bisect.bisect_right(vc, start) - 1
         while start < end:
             stop = min(end, vc[i + 1]) if i + 1 < len(vc) else end

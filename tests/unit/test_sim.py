@@ -50,7 +50,8 @@ def _engine(**kw) -> SimEngine:
 def _group(*lengths: int, prompt: int) -> SimGroup:
     n = len(lengths)
     return SimGroup(id=0, prompt_id="p", prompt_ids=[], answer="", submitted_at=0, prompt_tokens=prompt,
-                    target=np.array(lengths), lengths=list(lengths), done_at=np.full(n, -1), spans=[[] for _ in range(n)], remaining=n)
+                    target=np.array(lengths), lengths=list(lengths), done_at=np.full(n, -1), spans=[[] for _ in range(n)],
+                    remaining=n)
 
 
 def _drain(e: SimEngine) -> list:
@@ -200,6 +201,16 @@ def test_simulate_writes_the_run_directory_analysis_reads(tmp_path):
     assert "Lemma 1" in out.stdout and "recomputed from per-token version spans" in out.stdout
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 20 and all("pool/budget" in r and "staleness/effective_mean" in r for r in rows)
+    # the analysis tools read it: a calibration of the run against itself (ratios 1), a one-point trade-off
+    for tool, args in (("analysis.calibration", ["--pair", str(run), str(run), "self"]), ("analysis.tradeoff", [str(run)])):
+        out = subprocess.run([sys.executable, "-m", tool, *args, "--out", str(tmp_path / tool)], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    calib = json.loads((tmp_path / "analysis.calibration" / "calibration.json").read_text())["run (self)"]
+    assert calib["s/step"]["real"] == calib["s/step"]["sim"] > 0
+    (point,) = json.loads((tmp_path / "analysis.tradeoff" / "tradeoff.json").read_text())
+    assert point["label"] == "PACE" and 0 < point["rejected_share"] < 1 and point["k"] == pytest.approx(
+        point["k_wait"] + point["k_gen"], abs=1e-9)
 
 
 def test_group_rows_have_the_logger_schema():
