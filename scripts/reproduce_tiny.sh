@@ -47,7 +47,7 @@ busy_jiffies() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9; exit}' /proc/st
 mkdir -p "$OUT/logs"
 [[ -f "$OUT/runs.tsv" ]] || printf "run\tstarted (UTC)\tcommit\twall_s\trun_cpu_s\tother_cpu_s\tcomparable\n" >"$OUT/runs.tsv"
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)  # the code the runs are made with
-git diff --quiet HEAD 2>/dev/null || commit="${commit}+dirty"
+git diff --quiet HEAD -- . ':(exclude)reports' 2>/dev/null || commit="${commit}+dirty"  # code, not this script's own reports
 start=$(date +%s)
 i=0
 for spec in "${runs[@]}"; do
