@@ -173,13 +173,18 @@ class RunLogger:
     def flush(self) -> None:
         if not self._rows:
             return
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
         path = self.dir / "groups" / f"part-{self._part:05d}.parquet"
-        pq.write_table(pa.Table.from_pylist(self._rows, schema=group_schema()), path)
+        pq.write_table(self._table(), path)
         self._part += 1
         self._rows = []
+
+    def _table(self):
+        """The pending rows as one Parquet part (a subclass may keep other records: pace/sim/output.py)."""
+        import pyarrow as pa
+
+        return pa.Table.from_pylist(self._rows, schema=group_schema())
 
     def close(self, remaining: list[Group], summary: dict) -> None:
         """Log groups still pooled / in flight with those fates, write the summary, finish wandb."""

@@ -119,20 +119,11 @@ def fit_pfs(groups: pd.DataFrame, prefix: int) -> dict | None:
     scored = groups[groups.pfs.notna() & (groups.pfs > 0) & groups.pfs_version.notna()]
     if len(scored) < 20:
         return None
-    lags = []
-    for spans, v in zip(scored.version_spans, scored.pfs_version):
-        per = []
-        for s in spans:
-            left, total = prefix, 0
-            for ver, n in zip(s[0::2], s[1::2]):
-                take = min(n, left)
-                total += take * (v - ver)
-                left -= take
-                if left == 0:
-                    break
-            per.append(total / max(prefix - left, 1))
-        lags.append(np.mean(per))
-    lags, pfs = np.asarray(lags), scored.pfs.to_numpy()
+    from pace.sim.records import span_prefix_lag
+
+    lags = np.array([np.mean([span_prefix_lag(list(s), int(v), prefix) for s in spans])
+                     for spans, v in zip(scored.version_spans, scored.pfs_version)])
+    pfs = scored.pfs.to_numpy()
     ok = lags > 0
     if ok.sum() < 20:
         return None

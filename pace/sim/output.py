@@ -21,13 +21,7 @@ class SimLogger(RunLogger):
         if (step + 1) % self.flush_every == 0:
             self.flush()
 
-    def flush(self) -> None:
-        if not self._rows:
-            return
+    def _table(self):
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        path = self.dir / "groups" / f"part-{self._part:05d}.parquet"
-        pq.write_table(pa.Table.from_pydict(group_columns(self._rows), schema=group_schema()), path)
-        self._part += 1
-        self._rows = []
+        return pa.Table.from_pydict(group_columns(self._rows), schema=group_schema())

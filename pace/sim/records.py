@@ -63,17 +63,19 @@ class SimGroup(Group):
 
     def prefix_lag(self, version: int, m: int) -> np.ndarray:
         """Per response: mean lag (version − v_t) of its first ``m`` tokens under weights ``version``."""
-        out = np.empty(len(self.spans))
-        for i, s in enumerate(self.spans):
-            left, total = m, 0
-            for v, k in zip(s[0::2], s[1::2]):
-                take = min(k, left)
-                total += take * (version - v)
-                left -= take
-                if left == 0:
-                    break
-            out[i] = total / (min(m, int(self.target[i])) or 1)
-        return out
+        return np.array([span_prefix_lag(s, version, m) for s in self.spans])
+
+
+def span_prefix_lag(spans: list, version: int, m: int) -> float:
+    """Mean lag (version − v_t) of the first ``m`` tokens of a response given as [v_0, n_0, v_1, n_1, …]."""
+    left, total = m, 0
+    for v, k in zip(spans[0::2], spans[1::2]):
+        take = min(k, left)
+        total += take * (version - v)
+        left -= take
+        if left == 0:
+            break
+    return total / max(m - left, 1)
 
 
 def group_columns(groups: list[SimGroup]) -> dict[str, list]:
