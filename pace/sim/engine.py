@@ -66,7 +66,12 @@ class SimEngine:
         self._prefill = 0  # tokens to prefill on the next step
         self.event_id = 0  # bumped when the next event changes (a scheduled older one is stale)
         self._next_at, self._next = -1, (0, False)  # `_steps_to_next` at event_id `_next_at`
-        self.stats = {"tokens": 0, "decode_steps": 0, "busy_s": 0.0, "preempted": 0, "prefill_tokens": 0}
+        self.tokens = self.busy_s = self.preempted = self.prefill_tokens = 0  # counters (`stats`)
+
+    @property
+    def stats(self) -> dict:
+        return {"tokens": self.tokens, "decode_steps": self.counter, "busy_s": self.busy_s,
+                "preempted": self.preempted, "prefill_tokens": self.prefill_tokens}
 
     @property
     def load(self) -> int:
@@ -168,53 +173,62 @@ class SimEngine:
         return m
 
     def _advance(self, m: int) -> list[Finished]:
-        dt = self._span(m)
-        self.stats["tokens"] += self.n * m
-        self.stats["decode_steps"] += m
-        self.stats["busy_s"] += dt
-        self.stats["prefill_tokens"] += self._prefill
+        n, prefill = self.n, self._prefill
+        c = self.c
+        dt = self.slow * (prefill * self.prefill_s + m * (self.a + self.b * n + c * self.S) + c * n * m * (m - 1) / 2)
+        self.tokens += n * m
+        self.busy_s += dt
+        self.prefill_tokens += prefill
         self._prefill = 0
-        self.counter += m
-        self.clock += dt
-        self.S += self.n * m
+        counter = self.counter = self.counter + m
+        clock = self.clock = self.clock + dt
+        S = self.S + n * m
         done = []
         heap, seqs = self._heap, self._seqs
-        while heap and heap[0][0] <= self.counter:
-            _, sid = heapq.heappop(heap)
-            seq = seqs.pop(sid, None)
+        while heap and heap[0][0] <= counter:
+            seq = seqs.pop(heapq.heappop(heap)[1], None)
             if seq is None:
                 continue  # preempted earlier
             group, j, start, ctx0 = seq
-            self.n -= 1
-            self.S -= ctx0 + (self.counter - start)
-            self._close_segment(group, j, start, self.counter)
-            done.append(Finished(group, j, self.clock))
+            n -= 1
+            S -= ctx0 + (counter - start)
+            self._close_segment(group, j, start, counter)
+            done.append(Finished(group, j, clock))
+        self.n, self.S = n, S
         while self.n and self.S + self.n > self.kv:  # the next step's tokens do not fit: free the newest
             self._preempt_newest()
         self.event_id += 1
         return done
 
     def _admit(self) -> None:
-        while self.waiting and self.n < self.max_seqs:
-            group, j, produced = self.waiting[0]
+        waiting = self.waiting
+        if not waiting or self.n >= self.max_seqs:
+            self.event_id += 1
+            return
+        n, S, kv, counter = self.n, self.S, self.kv, self.counter
+        seqs, order, heap = self._seqs, self._order, self._heap
+        cached = (self.idx, self.version)
+        while waiting and n < self.max_seqs:
+            group, j, produced = waiting[0]
             ctx = group.prompt_tokens + produced
-            if self.n and self.S + self.n + ctx + 1 > self.kv:
+            if n and S + n + ctx + 1 > kv:
                 break  # FCFS: later requests wait behind the one that does not fit
-            self.waiting.popleft()
+            waiting.popleft()
             if produced:  # resumed after preemption: its whole context is recomputed
                 self._prefill += ctx
-            elif group.prefix_cached != (self.idx, self.version):  # the prompt is cached per group and version
-                group.prefix_cached = (self.idx, self.version)
+            elif group.prefix_cached != cached:  # the prompt is cached per group and version
+                group.prefix_cached = cached
                 self._prefill += group.prompt_tokens
             sid = self._next_sid
             self._next_sid += 1
-            self._seqs[sid] = [group, j, self.counter, ctx]
-            self._order.append(sid)
-            if len(self._order) > 4 * len(self._seqs) + 1024:  # drop the ids of finished sequences
-                self._order = [i for i in self._order if i in self._seqs]
-            heapq.heappush(self._heap, (self.counter + group.lengths[j] - produced, sid))
-            self.n += 1
-            self.S += ctx
+            seqs[sid] = [group, j, counter, ctx]
+            order.append(sid)
+            heapq.heappush(heap, (counter + group.lengths[j] - produced, sid))
+            n += 1
+            S += ctx
+        self.n, self.S = n, S
+        if len(order) > 4 * len(seqs) + 1024:  # drop the ids of finished sequences
+            self._order = [i for i in order if i in seqs]
         self.event_id += 1
 
     def _preempt_newest(self) -> None:
@@ -227,7 +241,7 @@ class SimEngine:
         self.n -= 1
         self.S -= ctx0 + ran
         self.waiting.appendleft((group, j, ctx0 + ran - group.prompt_tokens))
-        self.stats["preempted"] += 1
+        self.preempted += 1
 
     def _close_segment(self, group: SimGroup, j: int, start: int, end: int) -> None:
         """Append the versions of the tokens made at steps start+1 … end to response j's spans."""

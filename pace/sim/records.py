@@ -43,7 +43,7 @@ class SimGroup(Group):
             if s[-2] > c:  # versions never go back within a response: the last span is the newest
                 raise ValueError(f"group {self.id}: token version {s[-2]} is newer than completion version {c}")
             n += m
-            v += sum(a * b for a, b in zip(s[0::2], s[1::2]))
+            v += s[0] * s[1] if len(s) == 2 else sum(a * b for a, b in zip(s[0::2], s[1::2]))
             cn += c * m
         self._sums = (n, v, cn)
 

@@ -9,7 +9,8 @@ One event queue orders everything by simulated time:
                             (requests in flight continue: their later tokens get the new version)
 and after every change the rollout starts groups while `Pool.admits` (the policy's admission and
 the pool's capacity), each on the engine with the least work, as the real rollout thread does.
-PACE's rescoring uses `Pool.to_rescore`/`Pool.set_pfs` with a modelled PFS and costs prefill.
+PACE's rescoring uses `Pool.to_rescore`/`Pool.set_pfs` with a modelled PFS and costs prefill, as
+groups arrive, batches leave and weights load (the real rollout's `_start_rescoring` points).
 
 A response's token versions come from its engine's version log (engine.py); its completion
 version c(τ) is the trainer's version when its last token was produced; so Lemma 1 and the fate
@@ -89,10 +90,7 @@ class Simulation:
                 engine, event_id = payload
                 if engine.event_id != event_id:
                     continue  # the engine changed since: a newer event is scheduled
-                self._finished(engine.run_event())
-                if abs(engine.clock - t) > 1e-6 * max(1.0, t):  # an event out of step with its engine: a stale one ran
-                    raise RuntimeError(f"engine {engine.idx} at {engine.clock:.6f} s ran an event of {t:.6f} s")
-                self._touched.add(engine)
+                self._run_engine(engine, t)
             elif kind == _ARRIVE:
                 self._arrive(payload)
             elif kind == _TRAIN_DONE:
@@ -113,15 +111,35 @@ class Simulation:
         self.stats["engine_busy"] = sum(e.stats["busy_s"] for e in self.engines) / max(self.now * len(self.engines), 1e-9)
         return self.stats
 
+    def _run_engine(self, engine: SimEngine, t: float) -> None:
+        """Run ``engine``'s event at ``t``, then its next ones while they come before every other event
+        and change nothing but the engine (a response finishes, its group does not): the same order
+        of events as one at a time through the queue, without the queue."""
+        events = self._events
+        while True:
+            self._finished(engine.run_event())
+            if abs(engine.clock - t) > 1e-6 * max(1.0, t):  # an event out of step with its engine: a stale one ran
+                raise RuntimeError(f"engine {engine.idx} at {engine.clock:.6f} s ran an event of {t:.6f} s")
+            if self._dirty or self._touched:
+                break
+            t = engine.next_event()
+            if t is None or (events and t >= events[0][0]):
+                break
+            self.now = t
+            self.stats["events"] += 1
+        self._touched.add(engine)
+
     def _push(self, t: float, kind: int, payload) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, payload))
 
     def _after_change(self) -> None:
-        while self._dirty:  # the pool or a version changed: admission and the next batch may too
+        while self._dirty:  # the pool or a version changed: admission, the next batch and PACE's PFS may too
             self._dirty = False
             self._admit()
             self._try_batch()
+            if self.rescore:
+                self._rescore()
         for engine in self._touched:  # their next event moved: schedule it (older entries are stale)
             t = engine.next_event()
             if t is not None:
@@ -145,7 +163,7 @@ class Simulation:
             self._finished(engine.submit(g, self.now))
             self._touched.add(engine)
 
-    def _finished(self, done: list[Finished], rescore: bool = True) -> None:
+    def _finished(self, done: list[Finished]) -> None:
         for f in done:
             g = f.group
             g.done_at[f.index] = bisect.bisect_right(self._version_times, f.time) - 1  # c(τ)
@@ -157,15 +175,12 @@ class Simulation:
                 if grade > 0:
                     self._push(max(f.time, self.now) + grade, _ARRIVE, g)
                 else:
-                    self._arrive(g, rescore=False)
-        if done and rescore and self.rescore:
-            self._rescore()
+                    self._arrive(g)
 
-    def _arrive(self, g: SimGroup, rescore: bool = True) -> None:
+    def _arrive(self, g: SimGroup) -> None:
         self._arrived.append(g)
         self._dirty = True
-        if self.pool.add(g, self.trainer_version) and rescore and self.rescore:
-            self._rescore()
+        self.pool.add(g, self.trainer_version)
 
     def _rescore(self) -> None:
         """PACE: score the groups whose PFS could change the next rejections, under the loaded weights."""
@@ -174,7 +189,7 @@ class Simulation:
             lags = g.prefix_lag(v, self.prefix)
             tokens = int(sum(g.prompt_tokens + min(self.prefix, int(n)) for n, lag in zip(g.target, lags) if lag > 0))
             engine = self.engines[g.engine]
-            self._finished(engine.add_prefill(tokens, self.now), rescore=False)
+            self._finished(engine.add_prefill(tokens, self.now))
             self._touched.add(engine)
             self.stats["rescored"] += 1
             self.stats["rescore_tokens"] += tokens
@@ -187,14 +202,12 @@ class Simulation:
         self.fleet_version = version
         self._dirty = True
         for e in self.engines:
-            self._finished(e.load_weights(version, self.now), rescore=False)
+            self._finished(e.load_weights(version, self.now))
             self._touched.add(e)
         self.stats["syncs"] += 1
         every = self.cfg.eval.every
         if every and version % every == 0 and self.cfg.sim.trainer.val_s > 0:
             self._val_until = self.now + self.cfg.sim.trainer.val_s
-        if self.rescore:
-            self._rescore()
 
     # --- trainer side ----------------------------------------------------------------------------
     def _try_batch(self) -> None:
@@ -240,7 +253,7 @@ class Simulation:
     def _slowdown(self, factor: float) -> None:
         if self.cfg.sim.engine.train_slowdown != 1.0:
             for e in self.engines:
-                self._finished(e.set_slowdown(factor, self.now), rescore=False)
+                self._finished(e.set_slowdown(factor, self.now))
                 self._touched.add(e)
 
     # --- what a step logs: the names of train.py's step_metrics (DESIGN §6) ------------------------
