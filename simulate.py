@@ -35,23 +35,32 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-def run(cfg: DictConfig) -> dict:
-    from hydra.core.hydra_config import HydraConfig
-
+def run(cfg: DictConfig, run_dir: str | Path | None = None, on_step=None) -> dict:
+    """Simulate ``cfg`` into ``run_dir`` (default: Hydra's output directory); returns the summary.
+    ``on_step(step, metrics, decided groups)``, if given, sees every step after it is logged."""
     from pace.sim.output import SimLogger
     from pace.sim.run import Simulation
     from train import default_group
 
     validate_sim(cfg)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if run_dir is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = HydraConfig.get().runtime.output_dir
+    run_dir = Path(run_dir)
+    if not (run_dir / ".hydra" / "config.yaml").exists():  # called outside Hydra: analysis reads the config there
+        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     config = OmegaConf.to_container(cfg, resolve=True)
     logger = SimLogger(cfg, run_dir, config, group=default_group(cfg), groups=cfg.sim.groups)
 
-    def on_step(step: int, metrics: dict, decided: list) -> None:
+    def log(step: int, metrics: dict, decided: list) -> None:
         logger.log(step, metrics)
         logger.log_groups(decided, step)
+        if on_step is not None:
+            on_step(step, metrics, decided)
 
-    sim = Simulation(cfg, on_step=on_step)
+    sim = Simulation(cfg, on_step=log)
     stats = sim.run(progress=cfg.logger.progress)
     logger.log_groups(sim.pool.drain_decided() + sim.pool.remaining(), step=-1)  # pooled / in flight at the end
     counts = sim.pool.counts()

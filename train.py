@@ -70,6 +70,8 @@ def default_group(cfg) -> str | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    if not HydraConfig.initialized():  # called outside a Hydra app (scripts)
+        return None
     hc = HydraConfig.get()
     if cfg.logger.group is None and hc.mode == RunMode.MULTIRUN:
         return f"{cfg.exp_name}-{Path(hc.sweep.dir).name}"

@@ -62,6 +62,7 @@ class SimResponsesConfig:
     fixed_correct: Optional[int] = None  # exactly this many of the G responses correct (deterministic tests)
     empirical: Optional[str] = None  # a run directory (or Parquet glob): draw its logged groups instead
     grade_s: float = 0.0  # from a group's last token to the pool
+    length_scale: float = 1.0  # every drawn length × this (levels' medians or empirical lengths), then capped
 
 
 @dataclass
@@ -97,7 +98,8 @@ def validate_sim(cfg: DictConfig) -> None:
     """The run keys as `pace.config.validate` checks them, then the models'. Raises ConfigError."""
     validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "sim"]))
     s = cfg.sim
-    for key in ("engine.step_s", "trainer.step_s", "engine.train_slowdown", "trainer.colocated_slowdown"):
+    for key in ("engine.step_s", "trainer.step_s", "engine.train_slowdown", "trainer.colocated_slowdown",
+                "responses.length_scale"):
         if not OmegaConf.select(s, key) > 0:
             raise ConfigError(f"sim.{key} must be > 0, got {OmegaConf.select(s, key)}")
     for key in ("engine.per_seq_s", "engine.per_ctx_token_s", "engine.prefill_token_s", "engine.stall_s",

@@ -67,11 +67,12 @@ class SimEngine:
         self.event_id = 0  # bumped when the next event changes (a scheduled older one is stale)
         self._next_at, self._next = -1, (0, False)  # `_steps_to_next` at event_id `_next_at`
         self.tokens = self.busy_s = self.preempted = self.prefill_tokens = 0  # counters (`stats`)
+        self.rescore_s = 0.0  # engine seconds of PACE's prefix prefills (`add_prefill`)
 
     @property
     def stats(self) -> dict:
         return {"tokens": self.tokens, "decode_steps": self.counter, "busy_s": self.busy_s,
-                "preempted": self.preempted, "prefill_tokens": self.prefill_tokens}
+                "preempted": self.preempted, "prefill_tokens": self.prefill_tokens, "rescore_s": self.rescore_s}
 
     @property
     def load(self) -> int:
@@ -89,6 +90,7 @@ class SimEngine:
         """Prefill work not tied to a running sequence (PACE's prefix rescoring)."""
         done = self.advance_to(now)
         self._prefill += tokens
+        self.rescore_s += self.slow * tokens * self.prefill_s
         self.event_id += 1  # the next step is longer: a scheduled event is stale
         return done
 

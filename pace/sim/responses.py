@@ -6,6 +6,7 @@ are all-right or all-wrong and dynamic sampling filters them, as in a real run);
 is correct with probability p and has a log-normal length (median `len_median`, log-sd
 `len_sigma`; wrong responses ×`wrong_len_factor`: DAPO's wrong answers run longer), rounded and
 capped at `rollout.max_tokens` (a capped response finishes by length, as in vLLM).
+`length_scale` multiplies every length before the cap (what if the responses were 2× longer?).
 
 Empirical (`sim.responses.empirical`: a run directory or a Parquet glob): a prompt is a logged
 group drawn at random, its G lengths and its number of correct responses (placed at random):
@@ -47,7 +48,7 @@ class ResponseModel:
         if self._empirical is not None:
             lengths, n_correct = self._empirical
             pick = self.rng.integers(0, len(lengths), size=n)
-            lens = lengths[pick]
+            lens = lengths[pick] * self.cfg.length_scale
             correct = self.rng.random((n, g)).argsort(axis=1) < n_correct[pick, None]
             level = np.zeros(n, dtype=np.int64)
         else:
@@ -70,7 +71,7 @@ class ResponseModel:
                 correct[:, : self.cfg.fixed_correct] = True
             else:
                 correct = self.rng.random((n, g)) < p[:, None]
-            scale = median[:, None] * np.where(correct, 1.0, wrong[:, None])
+            scale = (self.cfg.length_scale * median)[:, None] * np.where(correct, 1.0, wrong[:, None])
             lens = scale * np.exp(sigma[:, None] * self.rng.standard_normal((n, g)))
         lens = np.clip(np.rint(lens), 1, self.cap).astype(np.int64)
         rewards = np.where(correct, 1.0, -1.0) + _overlong(lens, self.cap, self.buffer)

@@ -68,7 +68,7 @@ class Simulation:
         self._arrived: list[SimGroup] = []  # since the last step (pooled or filtered)
         self.rows: list[dict] = []  # one per training step
         self.stats = {"events": 0, "rescored": 0, "rescore_tokens": 0, "syncs": 0}
-        self._last = (0.0, 0)  # (time, tokens) at the last step, for rollout/tokens_per_s
+        self._last = (0.0, 0, 0.0, 0.0)  # (time, tokens, busy s, rescore s) at the last step, for rates and phases
 
     # --- the loop ------------------------------------------------------------------------------
     def run(self, progress: bool = False) -> dict:
@@ -106,7 +106,7 @@ class Simulation:
         self.pool.check_accounting()
         self.stats["wall_s"] = time.perf_counter() - wall
         self.stats["sim_s"] = self.now
-        for key in ("tokens", "decode_steps", "preempted", "prefill_tokens"):
+        for key in ("tokens", "decode_steps", "preempted", "prefill_tokens", "rescore_s"):
             self.stats[key] = sum(e.stats[key] for e in self.engines)
         self.stats["engine_busy"] = sum(e.stats["busy_s"] for e in self.engines) / max(self.now * len(self.engines), 1e-9)
         return self.stats
@@ -268,7 +268,8 @@ class Simulation:
         if arrived:
             m["rollout/acc_mean"] = float(np.concatenate([g.correct for g in arrived]).mean())
             m["rollout/reward_mean"] = float(np.concatenate([g.reward for g in arrived]).mean())
-        tokens = sum(e.stats["tokens"] for e in self.engines)
+        tokens = sum(e.tokens for e in self.engines)
+        busy, rescore = sum(e.busy_s for e in self.engines), sum(e.rescore_s for e in self.engines)
         dt = self.now - self._last[0]
         m.update({
             "train/reward_mean": float(np.concatenate([g.reward for g in groups]).mean()),
@@ -292,8 +293,11 @@ class Simulation:
             "time/train": train_s,
             "time/sync": sync_s,
             "time/step": wait + train_s + sync_s,
+            # overlapped work since the last step, per engine (the real rollout's engine time and rescoring)
+            "time/generate": (busy - self._last[2]) / len(self.engines),
+            "time/rescore": (rescore - self._last[3]) / len(self.engines),
             "sim/time_s": self.now + sync_s,  # simulated clock when the step (and its sync) is done
             "sim/preempted": sum(e.stats["preempted"] for e in self.engines),
         })
-        self._last = (self.now, tokens)
+        self._last = (self.now, tokens, busy, rescore)
         return m

@@ -264,3 +264,45 @@ def test_fit_recovers_the_response_trainer_and_pfs_models():
     got = fit.fit_pfs(groups, prefix=4)
     assert got["power"] == pytest.approx(1.5, abs=0.1) and got["scale"] == pytest.approx(0.05, rel=0.15)
     assert got["noise"] == pytest.approx(0.2, abs=0.05)
+
+
+def test_phase_metrics_count_engine_and_rescoring_seconds():
+    """time/generate is each engine's busy seconds since the last step (≤ the step's wall time); PACE
+    effective's time/rescore is the prefill seconds of its rescored prefixes (the engines' counters)."""
+    sim = Simulation(sim_cfg(*NOISY, "pool.name=pace"))
+    stats = sim.run()
+    rows = sim.rows
+    assert all(0 < r["time/generate"] <= r["time/step"] + 1e-9 for r in rows[1:])
+    total = sum(r["time/rescore"] for r in rows) * len(sim.engines)
+    assert stats["rescored"] > 0 and total > 0 and total <= stats["rescore_s"] + 1e-9
+    assert stats["rescore_s"] == pytest.approx(stats["rescore_tokens"] * 0.0001, rel=0.05)  # × slowdown 1, prefill_token_s
+
+
+def test_length_scale_multiplies_the_drawn_lengths_before_the_cap():
+    from pace.sim.responses import ResponseModel
+
+    def lengths(scale: float) -> np.ndarray:
+        cfg = sim_cfg(*NOISY, f"sim.responses.length_scale={scale}").sim.responses
+        model = ResponseModel(cfg, 8, 96, 16, np.random.default_rng(0))
+        return np.concatenate([model.draw()[0] for _ in range(200)])
+
+    one, two = lengths(1.0), lengths(2.0)
+    short = one < 40  # doubled, these stay under the cap of 96
+    assert np.abs(two[short] - 2 * one[short]).max() <= 1 and two.max() == 96
+    with pytest.raises(ConfigError, match="sim.responses.length_scale"):
+        sim_cfg(*NOISY, "sim.responses.length_scale=0")
+
+
+def test_simulate_run_outside_hydra_writes_a_run_directory_analysis_labels(tmp_path):
+    """scripts call simulate.run(cfg, run_dir): the config analysis reads is written there too."""
+    from hydra import compose, initialize_config_dir
+
+    import simulate
+    from analysis.runs import load_local
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("simulate", overrides=[*NOISY, "pool=stale_k", "pool.max_lag=2", "logger.progress=false"])
+    seen = []
+    summary = simulate.run(cfg, tmp_path / "run", on_step=lambda step, m, d: seen.append(step))
+    run = load_local(tmp_path / "run")
+    assert summary["steps"] == 20 and seen == list(range(20)) and run.label == "Stale-2" and len(run.steps) == 20
