@@ -1,12 +1,13 @@
 """The trade-off of a sweep (simulated or real): seconds per step vs consumed staleness vs rejected share.
 
-    python simulate.py -m +exp=pace_qwen3_8b +sim=qwen3_8b pace.target_pool=512,1024,2048 rollout.engines=2,4,6
-    python -m analysis.tradeoff runs/sim/multirun/pace_qwen3_8b/qwen3_8b/<time> --out reports/sim/sweep
+    python simulate.py -m +exp=pace_qwen3_8b +sim=qwen3_8b_fig8 pace.target_pool=16,32,64 rollout.engines=4,8,12 \
+        hydra.sweep.dir=runs/sim_sweep/pace              # and +exp=async_qwen3_8b into runs/sim_sweep/async
+    python -m analysis.tradeoff runs/sim_sweep --out reports/sim/sweep
 
 One point per run: mean s/step and mean consumed K (= K_wait + K_gen, both drawn) after a warm-up,
 coloured by the share of completed informative groups rejected (rejected / (consumed + rejected +
-dropped_stale)); labelled by the run's own overrides (what the sweep varied). Writes tradeoff.md
-(the table), tradeoff.json and tradeoff.{png,pdf}.
+dropped_stale)); labelled by the run's own overrides that differ between the runs (what the sweep
+varied). Writes tradeoff.md (the table), tradeoff.json and tradeoff.{png,pdf}.
 """
 from __future__ import annotations
 
@@ -37,11 +38,17 @@ def point(run_dir: Path, warmup: int) -> dict:
 def figure(points: list[dict]):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    sc = ax.scatter([p["s_per_step"] for p in points], [p["k"] for p in points], c=[p["rejected_share"] for p in points],
-                    cmap="viridis", vmin=0, vmax=max(0.05, max(p["rejected_share"] for p in points)), s=60)
-    for p in points:
-        ax.annotate(p["varied"] or p["label"], (p["s_per_step"], p["k"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    fig, ax = plt.subplots(figsize=(6.8, 4.6))
+    vmax = max(0.05, max(p["rejected_share"] for p in points))
+    labels = sorted({p["label"] for p in points})
+    for label, marker in zip(labels, "os^Dv<>P*X" * 10):  # one marker per method
+        ps = [p for p in points if p["label"] == label]
+        sc = ax.scatter([p["s_per_step"] for p in ps], [p["k"] for p in ps], c=[p["rejected_share"] for p in ps],
+                        cmap="viridis", vmin=0, vmax=vmax, s=60, marker=marker, label=label, edgecolors="k", linewidths=0.4)
+    for p in points:  # what the sweep varied, keys without their group (target_pool=16 engines=8)
+        text = " ".join(o.split(".")[-1] for o in p["varied"].split())
+        ax.annotate(text, (p["s_per_step"], p["k"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.legend(fontsize=7)
     ax.set_xlabel("seconds per training step")
     ax.set_ylabel("consumed policy lag K = K_wait + K_gen")
     fig.colorbar(sc, ax=ax, label="share of completed groups rejected")
@@ -66,7 +73,11 @@ def main() -> None:
     dirs = find_run_dirs(args.sweep)
     if not dirs:
         raise SystemExit(f"error: {args.sweep}: no run directories (no metrics.jsonl below it)")
-    points = sorted((point(d, args.warmup) for d in dirs), key=lambda p: (p["label"], p["varied"]))
+    points = [point(d, args.warmup) for d in dirs]
+    shared = set.intersection(*(set(p["varied"].split()) for p in points)) if len(points) > 1 else set()
+    for p in points:  # label a point by what differs between the runs (not the sweep's fixed overrides)
+        p["varied"] = " ".join(o for o in p["varied"].split() if o not in shared)
+    points = sorted(points, key=lambda p: (p["label"], p["varied"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tradeoff.md").write_text(table(points) + "\n")
     (args.out / "tradeoff.json").write_text(json.dumps(points, indent=2))
