@@ -183,7 +183,11 @@ def _faulty(kind: str, at: int, args: list[str], run_dir, timeout: float = 600):
                  "RuntimeError('injected watchdog fault at θ_2')"),
 ])
 def test_a_fault_stops_the_run_with_its_traceback_and_a_loadable_checkpoint(kind, message, tiny_model_path, tmp_path):
-    args = ["+exp=async_tiny", "trainer.steps=5", "logger.mode=disabled", *SMALL]
+    # A grader fault stops the run only once a step needs a group graded after it (its start retries
+    # back off ~3.5 s): with 5 steps, async's backlog at θ_2 could feed the last 3 and the run would
+    # finish first. 30 steps cannot be fed from the backlog; the run stops at the fault either way.
+    steps = 30 if kind in ("grader_dies", "watchdog") else 5
+    args = ["+exp=async_tiny", f"trainer.steps={steps}", "logger.mode=disabled", *SMALL]
     t0 = time.time()
     proc = _faulty(kind, 2, args, tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]

@@ -306,3 +306,15 @@ def test_simulate_run_outside_hydra_writes_a_run_directory_analysis_labels(tmp_p
     summary = simulate.run(cfg, tmp_path / "run", on_step=lambda step, m, d: seen.append(step))
     run = load_local(tmp_path / "run")
     assert summary["steps"] == 20 and seen == list(range(20)) and run.label == "Stale-2" and len(run.steps) == 20
+
+
+@pytest.mark.parametrize("cap,buffer", [(20480, 4096), (96, 16), (64, 0)])
+def test_simulated_rewards_use_the_real_overlong_penalty(cap, buffer):
+    """The simulator's vectorised shaping is DAPO's `overlong_penalty` (the one train.py grades with)."""
+    from pace.algo.advantages import overlong_penalty
+    from pace.sim.responses import _overlong
+
+    lens = np.unique(np.r_[1, np.linspace(1, cap, 97).astype(int), cap - buffer, cap - buffer + 1, cap])
+    lens = lens[lens >= 1]
+    expect = [overlong_penalty(int(n), cap, buffer) for n in lens]
+    assert _overlong(lens, cap, buffer).tolist() == pytest.approx(expect, abs=1e-15)
