@@ -1,6 +1,6 @@
 """How fast the simulator is, and how its cost grows with B·G and with the length cap (issue #20).
 
-    python scripts/bench_sim.py                       # the 300-step 8B scenario (Async and PACE), then the growth table
+    python scripts/bench_sim.py     # the 300-step 8B scenario (Async, PACE; PACE where it rejects), then the growth table
     python scripts/bench_sim.py --steps 300 --growth-steps 30 --policies pace
 
 One process, one core (numpy single-threaded), nothing written to disk (`sim.groups` off and no
@@ -29,9 +29,18 @@ from pace.sim.run import Simulation  # noqa: E402
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
+# The qwen3_8b scenario is generation-bound at B = 512 (PACE's pool never reaches its target); the
+# 8B-on-H200s scenario with short responses, at the same B, G and in-flight cap, is training-bound:
+# there PACE rejects (~45% of the completed groups: production is ~2× consumption) and rescores, and
+# its 384 sequences per engine overfill the KV budget (~3 M preemptions in 300 steps)
+REJECTING = ("+sim=qwen3_8b_fig8", "data.batch_prompts=512", "rollout.max_inflight_groups=1024")
+
+
 def simulate(policy: str, steps: int, *overrides: str) -> dict:
+    scenario = list(REJECTING) if policy.endswith("+rejecting") else ["+sim=qwen3_8b"]
+    policy = policy.removesuffix("+rejecting")
     with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose("simulate", overrides=[f"+exp={policy}_qwen3_8b", "+sim=qwen3_8b", f"trainer.steps={steps}",
+        cfg = compose("simulate", overrides=[f"+exp={policy}_qwen3_8b", *scenario, f"trainer.steps={steps}",
                                              "logger.mode=disabled", *overrides])
     validate_sim(cfg)
     sim = Simulation(cfg)
@@ -39,24 +48,28 @@ def simulate(policy: str, steps: int, *overrides: str) -> dict:
     stats = sim.run()
     wall = time.perf_counter() - t
     responses = sim.pool.counts()["submitted"] * cfg.data.group_size  # started (finished or not)
+    counts = sim.pool.counts()
     return {"wall_s": wall, "events": stats["events"], "responses": responses, "sim_s": stats["sim_s"],
-            "s_per_step": sum(r["time/step"] for r in sim.rows) / len(sim.rows), "preempted": stats["preempted"]}
+            "s_per_step": sum(r["time/step"] for r in sim.rows) / len(sim.rows), "preempted": stats["preempted"],
+            "rejected": counts["rejected"] / max(counts["consumed"] + counts["rejected"], 1), "rescored": stats["rescored"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--growth-steps", type=int, default=30)
-    ap.add_argument("--policies", nargs="+", default=["async", "pace"])
+    ap.add_argument("--policies", nargs="+", default=["async", "pace", "pace+rejecting"],
+                    help="<preset>: the qwen3_8b scenario; <preset>+rejecting: the training-bound one (REJECTING)")
     args = ap.parse_args()
     register_run()
     register()
-    print(f"qwen3_8b scenario, B = 512, G = 16, {args.steps} steps (eval.every=0: no validation holds)")
+    print(f"8B scenarios, B = 512, G = 16, 1,024 groups in flight, {args.steps} steps (eval.every=0: no validation holds)")
     for policy in args.policies:
         r = simulate(policy, args.steps, "eval.every=0")
-        print(f"  {policy:6s} wall {r['wall_s']:6.1f} s   {r['events']:>9,} events  {r['responses']:>10,} responses  "
+        print(f"  {policy:15s} wall {r['wall_s']:6.1f} s   {r['events']:>9,} events  {r['responses']:>10,} responses  "
               f"{1e6 * r['wall_s'] / r['events']:5.1f} µs/event  {1e6 * r['wall_s'] / r['responses']:5.1f} µs/response  "
-              f"(simulated {r['s_per_step']:.0f} s/step, {r['preempted']:,} preemptions)")
+              f"(simulated {r['s_per_step']:.0f} s/step, {r['preempted']:,} preemptions, {r['rejected']:.1%} rejected, "
+              f"{r['rescored']:,} groups rescored)")
     print(f"\ngrowth ({args.growth_steps} steps of {args.policies[0]}; wall per simulated step, ratio to the first row):")
     rows = [("B=128 G=16 cap 20480", ["data.batch_prompts=128", "rollout.max_inflight_groups=256"]),
             ("B=256 G=16 cap 20480", ["data.batch_prompts=256", "rollout.max_inflight_groups=512"]),
