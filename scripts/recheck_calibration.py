@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,7 @@ def main() -> None:
             raise SystemExit(f"error: {name}: not in {args.calibration} (it has {', '.join(stored)})")
         method, seed = name.rsplit("_s", 1)
         run_dir = args.sims / name
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # run directories are appended to
+        shutil.rmtree(run_dir, ignore_errors=True)  # run directories are appended to
         subprocess.run([sys.executable, "simulate.py", *methods[method], f"seed={seed}", f"trainer.steps={args.steps}",
                         f"+sim={args.scenario}", "logger.progress=false", f"hydra.run.dir={run_dir}"],
                        cwd=ROOT, check=True, capture_output=True)

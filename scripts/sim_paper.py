@@ -22,6 +22,7 @@ measurements); a layout scales the trainer's per-step and per-token seconds by 4
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -118,9 +119,14 @@ def grid_cells() -> list[dict]:
             for b, ls, e, hw in itertools.product((8, 16, 32, 64), (0.25, 0.5, 1.0), (4, 8), HARDWARE)]
 
 
+@functools.cache
+def _engine_8b():
+    return OmegaConf.load(ROOT / "conf" / "sim" / "qwen3_8b.yaml").sim.engine
+
+
 def cell_overrides(c: dict) -> list[str]:
     read, kv = HARDWARE[c["gpu"]]
-    e = OmegaConf.load(ROOT / "conf" / "sim" / "qwen3_8b.yaml").sim.engine
+    e = _engine_8b()
     return [f"data.batch_prompts={c['B']}", f"rollout.max_inflight_groups={2 * c['B']}",  # the presets' 2B in flight
             f"sim.responses.length_scale={c['length_scale']}", f"rollout.engines={c['engines']}",
             f"rollout.max_num_seqs={c['max_num_seqs']}", f"trainer.mini_batches={min(16, c['B'])}",

@@ -176,8 +176,7 @@ class SimEngine:
 
     def _advance(self, m: int) -> list[Finished]:
         n, prefill = self.n, self._prefill
-        c = self.c
-        dt = self.slow * (prefill * self.prefill_s + m * (self.a + self.b * n + c * self.S) + c * n * m * (m - 1) / 2)
+        dt = self._span(m)
         self.tokens += n * m
         self.busy_s += dt
         self.prefill_tokens += prefill
