@@ -100,9 +100,11 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str 
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
+    from pace.rollout import transfer
+
     extra = {}
     if backend is not None:
-        extra = dict(weight_transfer_config=WeightTransferConfig(backend=backend),
+        extra = dict(weight_transfer_config=WeightTransferConfig(backend=transfer.engine_backend(backend)),
                      worker_extension_cls="pace.rollout.transfer.WorkerExtension")
     with _engine_process_env(mode, gpus):
         llm = LLM(
@@ -126,12 +128,11 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str 
             logprobs_mode="processed_logprobs",
             **extra,
         )
-    # Two warnings that repeat and mean nothing here: every in-place reload says rotary embeddings
-    # (a cache buffer, no checkpoint weights) loaded nothing, and vLLM's CPU worker says it ignores
+    # A warning that repeats and means nothing here: vLLM's CPU worker says it ignores
     # torch.set_num_threads (it replaced the function). vLLM configures its loggers while building
-    # the engine, so they are quieted after.
-    for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.worker.cpu_worker"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    # the engine, so it is quieted after. (The reload's "Failed to load weights" warnings are
+    # decided, not quieted: pace/rollout/reload.py.)
+    logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
     return llm
 
 

@@ -16,6 +16,7 @@ the version set by `set_weight_version` (`CompletionOutput.weight_versions`).
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 
@@ -125,7 +126,15 @@ class EngineFleet:
 
     def end_update(self, version: int | None) -> None:
         try:
-            self.collective_rpc("finish_weight_update")
+            try:
+                self.collective_rpc("finish_weight_update")
+            except Exception:
+                # An update that failed its checks (pace/rollout/reload.py) raised after vLLM's
+                # finalize ran but before the worker closed its update session: close it (nothing
+                # is pending), so the engine stays usable, then fail the sync.
+                with contextlib.suppress(Exception):
+                    self.collective_rpc("finish_weight_update")
+                raise
             if version is not None:
                 self.set_version(version)
         finally:

