@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from pace import checkpoint as ckpt
 from pace.config import ConfigError, register, validate
 from pace.memory import release_free_heap, rss_mib
+from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.records import Fate
 from pace.rollout.errors import RolloutError
 from pace.tasks import loading
@@ -186,6 +187,9 @@ def main(cfg: DictConfig) -> None:
     except (UserError, ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except SyncMismatch as exc:  # checkpointed; the cause in one line
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def run(cfg: DictConfig) -> None:
@@ -284,6 +288,7 @@ def run(cfg: DictConfig) -> None:
         rollout.start()
 
     stop = StopSignal()
+    guard = MismatchGuard.from_config(cfg)  # weights that do not reach the engines stop the run
 
     # --- the loop: pool → train → sync → log -------------------------------------------------
     from tqdm import tqdm
@@ -333,6 +338,10 @@ def run(cfg: DictConfig) -> None:
                     K=f"{metrics['staleness/k_mean']:.2f}",
                     wait=f"{t_wait:.1f}s",
                 )
+            mismatch = guard.check(step, metrics) if main_rank else None
+            if rank0_decides(accelerator, mismatch is not None):
+                failure = mismatch or SyncMismatch("stopped with rank 0 (on-policy mismatch)")
+                break
             if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0 and trainer.version < cfg.trainer.steps:
                 checkpointer.save(f"every {cfg.trainer.save_every} steps", parts)
             if due:  # after the checkpoint: a sync run has nothing in flight in it
@@ -344,7 +353,8 @@ def run(cfg: DictConfig) -> None:
                 checkpointer.save("end of training", parts)
         if stop.requested or failure is not None:
             status = "failed" if failure is not None else "interrupted"
-            why = f"rollout failure: {type(failure.__cause__).__name__}" if failure else signal.Signals(stop.signum).name
+            why = signal.Signals(stop.signum).name if failure is None else (
+                "on-policy mismatch" if isinstance(failure, SyncMismatch) else f"rollout failure: {type(failure.__cause__).__name__}")
             saved = stop_and_checkpoint(checkpointer, parts, trainer.version, why)
         if failure is not None:
             raise failure

@@ -43,6 +43,7 @@ FORMAT = 1
 RESUMABLE = (
     "trainer.steps", "trainer.save_every", "trainer.keep_checkpoints", "logger.mode", "logger.progress",
     "reward.workers", "reward.timeout_s", "reward.max_failed_in_row", "device", "tools.workers", "tools.warm",
+    "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps",
 )
 
 

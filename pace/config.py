@@ -189,6 +189,11 @@ class TrainerConfig:
     # failure); <run>/checkpoints/step-N, the newest `keep_checkpoints` kept. See pace/checkpoint.py.
     save_every: int = 0
     keep_checkpoints: int = 2
+    # The engines compute with the trainer's weights (pace/mismatch.py): on-policy tokens' mean
+    # |ℓ^μ − log π_θ| above this warns once, and `sync_mismatch_steps` measured steps above it in a
+    # row stop the run (0: warn only). null: 1e-5 for model.dtype float32, 0.2 for bfloat16/float16.
+    max_sync_mismatch: Optional[float] = None
+    sync_mismatch_steps: int = 3
 
 
 @dataclass
@@ -322,6 +327,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"pool.capacity={cap} is below data.batch_prompts={cfg.data.batch_prompts}: a batch could never form")
     if cap is not None and cfg.pool.name == "pace" and (cfg.pace.target_pool or cfg.data.batch_prompts) > cap:
         raise ConfigError(f"pace.target_pool={cfg.pace.target_pool} is above pool.capacity={cap}: the target is unreachable")
+    if cfg.trainer.max_sync_mismatch is not None and not cfg.trainer.max_sync_mismatch > 0:
+        raise ConfigError(f"trainer.max_sync_mismatch must be > 0 or null, got {cfg.trainer.max_sync_mismatch}")
+    if cfg.trainer.sync_mismatch_steps < 0:
+        raise ConfigError(f"trainer.sync_mismatch_steps must be >= 0 (0: warn only), got {cfg.trainer.sync_mismatch_steps}")
     if cfg.trainer.save_every < 0 or cfg.trainer.keep_checkpoints < 1:
         raise ConfigError("trainer.save_every must be >= 0 (0: only on stop/failure) and trainer.keep_checkpoints >= 1")
     if not 0 <= cfg.pace.ema < 1:

@@ -8,6 +8,9 @@
     watchdog     once θ_version exists the grader's watchdog thread raises
     trainer  the training step that would make θ_{version+1} raises before its update
     nan      that step's loss is NaN: its update is skipped and counted
+    stale_head   from the sync of θ_version on, the engine's tied output head keeps the kernels it
+                 had (the defect of vLLM-CPU's in-place reload that pace/rollout/reload.py fixes);
+                 needs the engine in this process (the default with one trainer process on CPU)
 
 Everything else is the real run (engine, grader processes, trainer): train.py runs as the main
 script (runpy), so Hydra finds conf/ beside it; the grading function is picked by its module path.
@@ -103,6 +106,17 @@ def inject(kind: str, at: int) -> None:
                 self.loss_fn = loss_fn
 
         DAPOTrainer.step = faulty_step
+    elif kind == "stale_head":
+        from pace.rollout import reload
+        from pace.rollout.fleet import EngineFleet
+
+        refresh, end_update = reload.refresh, EngineFleet.end_update
+
+        def stale_end_update(self, version):
+            reload.refresh = refresh if version is None or version < at else (lambda name, layer: None)
+            return end_update(self, version)
+
+        EngineFleet.end_update = stale_end_update
     else:
         raise SystemExit(f"PACE_FAULT: unknown fault {kind!r}")
 

