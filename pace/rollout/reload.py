@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-# `finish_weight_update` decides every case vLLM's layerwise reload warns about (below), so its
-# per-sync warnings ("RotaryEmbedding: Failed to load weights") are quieted where it runs.
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 REFRESHABLE = ("UnquantizedEmbeddingMethod",)  # post-load processing rebuilt from `weight`, kept
 
@@ -115,13 +113,23 @@ def refresh(name: str, layer: torch.nn.Module) -> None:
     method.process_weights_after_loading(layer)
 
 
+def _decided_here(record: logging.LogRecord) -> bool:
+    """vLLM's per-layer "<Layer>: Failed to load weights", logged at every sync for the rotary
+    caches and the tied head: `audit` decides each such layer (harmless, refreshed, or a failed
+    update), so the line is dropped; the reload's other messages pass."""
+    return record.msg != "%s: Failed to load weights"
+
+
 class ExactReload:
     """Mixin for a worker-side `WeightTransferEngine` (before it in the bases) whose
-    `start_weight_update` / `finish_weight_update` run vLLM's layerwise reload."""
+    `start_weight_update` / `finish_weight_update` run vLLM's layerwise reload. A new backend's
+    worker side gets the same checks as `checked(ItsEngine)`."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        logging.getLogger(_LAYERWISE_LOGGER).setLevel(logging.ERROR)
+        layerwise = logging.getLogger(_LAYERWISE_LOGGER)
+        if _decided_here not in layerwise.filters:
+            layerwise.addFilter(_decided_here)
         self._shared: dict[int, list[str]] = {}
         self.last_audit: Audit | None = None
 

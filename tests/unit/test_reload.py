@@ -142,3 +142,25 @@ def test_every_backend_builds_a_checked_engine_in_the_workers():
         cls = WeightTransferEngineFactory._registry[transfer.engine_backend(backend)]()
         assert issubclass(cls, ExactReload) and issubclass(cls, base), backend
         assert cls.__mro__.index(ExactReload) < cls.__mro__.index(base)  # its start/finish wrap the backend's
+
+
+def test_only_the_failed_load_lines_the_audit_decides_are_dropped_from_vllms_log(caplog):
+    """vLLM's "Failed to load weights" lines are decided by the audit; its other reload messages
+    (e.g. the device-memory warning about weight order) still reach the log."""
+    import logging
+
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from pace.rollout import reload
+
+    reload.checked(_Engine)(_Toy())
+    logger = logging.getLogger(reload._LAYERWISE_LOGGER)
+    logger.propagate, propagate = True, logger.propagate
+    try:
+        with caplog.at_level(logging.WARNING, logger=reload._LAYERWISE_LOGGER):
+            layerwise.logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+            layerwise.logger.warning("Allocating %.1f MB of device memory to buffers", 12.0)
+    finally:
+        logger.propagate = propagate
+    logged = [r.getMessage() for r in caplog.records if r.name == reload._LAYERWISE_LOGGER]
+    assert logged == ["Allocating 12.0 MB of device memory to buffers"]
