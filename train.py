@@ -353,8 +353,8 @@ def run(cfg: DictConfig) -> None:
                 checkpointer.save("end of training", parts)
         if stop.requested or failure is not None:
             status = "failed" if failure is not None else "interrupted"
-            why = signal.Signals(stop.signum).name if failure is None else (
-                "on-policy mismatch" if isinstance(failure, SyncMismatch) else f"rollout failure: {type(failure.__cause__).__name__}")
+            why = (signal.Signals(stop.signum).name if failure is None else "on-policy mismatch"
+                   if isinstance(failure, SyncMismatch) else f"rollout failure: {type(failure.__cause__).__name__}")
             saved = stop_and_checkpoint(checkpointer, parts, trainer.version, why)
         if failure is not None:
             raise failure

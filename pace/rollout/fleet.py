@@ -16,7 +16,6 @@ the version set by `set_weight_version` (`CompletionOutput.weight_versions`).
 """
 from __future__ import annotations
 
-import contextlib
 import queue
 import time
 
@@ -125,16 +124,16 @@ class EngineFleet:
         self.collective_rpc("update_weights", {"update_info": update_info})
 
     def end_update(self, version: int | None) -> None:
+        """Finish the update on every engine, then fail it (`IncompleteWeightUpdate`, the version
+        label unchanged) if any worker's checks found layers without the sent weights."""
+        from pace.rollout.reload import IncompleteWeightUpdate
+
         try:
-            try:
-                self.collective_rpc("finish_weight_update")
-            except Exception:
-                # An update that failed its checks (pace/rollout/reload.py) raised after vLLM's
-                # finalize ran but before the worker closed its update session: close it (nothing
-                # is pending), so the engine stays usable, then fail the sync.
-                with contextlib.suppress(Exception):
-                    self.collective_rpc("finish_weight_update")
-                raise
+            self.collective_rpc("finish_weight_update")
+            failures = [f for f in self.collective_rpc("pace_weight_update_failure") if f]
+            if failures:
+                more = f" (and {len(failures) - 1} more workers)" if len(failures) > 1 else ""
+                raise IncompleteWeightUpdate(failures[0] + more)
             if version is not None:
                 self.set_version(version)
         finally:

@@ -21,9 +21,9 @@ copied back into its kernel tensors) once it has received as many elements as it
   the shared weight directly), so the refresh costs nothing there.
 - **A dropped or partial tensor goes unnoticed.** vLLM restores a layer that received nothing
   (stale weights) and processes one that received part of its elements (one projection of a fused
-  `qkv_proj`) with the rest uninitialised. Here both fail the update with one line naming the
-  layers (`IncompleteWeightUpdate`), after vLLM's finalize has run, so the engine takes a complete
-  update next (its layers hold stale or uninitialised values until then).
+  `qkv_proj`) with the rest uninitialised. Here both fail the sync with one line naming the layers
+  (`IncompleteWeightUpdate`, raised by the client once every engine has finished the update, so
+  each takes a complete update next; until then those layers hold stale or uninitialised values).
 
 What receives nothing and is harmless: a layer with buffers and no parameters — RotaryEmbedding's
 `cos_sin_cache` (computed from the config; vLLM warns about it at every sync), an attention layer's
@@ -40,8 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-REFRESHABLE = ("UnquantizedEmbeddingMethod",)  # post-load processing rebuilt from `weight`, kept
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 class IncompleteWeightUpdate(RuntimeError):
@@ -52,7 +51,8 @@ class IncompleteWeightUpdate(RuntimeError):
 class Audit:
     """What a layerwise reload received, per layer, before vLLM finalizes it."""
 
-    complete: list[str] = field(default_factory=list)  # received every element it holds
+    complete: list[str] = field(default_factory=list)  # received every element a checkpoint can give it
+    loaded: set[str] | None = None  # the engine model's parameter names `load_weights` reported loaded
     missing: list[tuple[str, int, int]] = field(default_factory=list)  # (layer, received, expected elements)
     tied: list[tuple[str, torch.nn.Module]] = field(default_factory=list)  # received nothing, shares loaded weights
     derived: list[str] = field(default_factory=list)  # buffers only (no parameter): nothing of θ to receive
@@ -85,10 +85,11 @@ def audit(model: torch.nn.Module, shared: dict[int, list[str]]) -> Audit:
         info = LAYERWISE_INFO.get(layer)
         if info is None:
             continue
-        if not info.can_load() or 0 < info.load_numel_total <= info.load_numel:  # processed, or at finalize
+        expected = expected_elements(layer, info.load_numel_total) if info.can_load() else 0
+        if not info.can_load() or 0 < expected <= info.load_numel:  # processed, or processed at finalize
             out.complete.append(name)
-        elif info.load_numel_total:
-            short[name] = (layer, info.load_numel, info.load_numel_total)
+        elif expected:
+            short[name] = (layer, info.load_numel, expected)
     for name, (layer, got, total) in short.items():
         params = (LAYERWISE_INFO[layer].kernel_tensors or ({}, {}))[0]
         if got == 0 and not params:
@@ -101,64 +102,97 @@ def audit(model: torch.nn.Module, shared: dict[int, list[str]]) -> Audit:
     return out
 
 
+def expected_elements(layer: torch.nn.Module, total: int) -> int:
+    """What a checkpoint can give ``layer`` of the ``total`` elements it holds: a vocab-parallel
+    embedding or head pads its rows to a multiple of 64 (and holds added-vocabulary rows) that its
+    loader zero-fills itself, uncounted; vLLM processes such a layer at finalize."""
+    shard = getattr(layer, "shard_indices", None)
+    if shard is None:
+        return total
+    return shard.num_org_elements * (layer.embedding_dim + (1 if getattr(layer, "has_bias", False) else 0))
+
+
 def refresh(name: str, layer: torch.nn.Module) -> None:
     """Redo the post-load processing of a tied layer from its (updated) shared weight."""
     method = getattr(layer, "quant_method", None)
     if method is None:
         return  # a plain module reads its parameters directly: nothing derived from them
-    if type(method).__name__ not in REFRESHABLE:
+    if not _refreshable(method):
         raise IncompleteWeightUpdate(
             f"weight update: tied layer {name} ({type(method).__name__}) received no weights and its post-load "
             "processing cannot be redone in place; send it under its own name")
     method.process_weights_after_loading(layer)
 
 
-def _decided_here(record: logging.LogRecord) -> bool:
-    """vLLM's per-layer "<Layer>: Failed to load weights", logged at every sync for the rotary
-    caches and the tied head: `audit` decides each such layer (harmless, refreshed, or a failed
-    update), so the line is dropped; the reload's other messages pass."""
+def _refreshable(method) -> bool:
+    """Post-load processing that rebuilds kernels from `weight` and keeps it (so it can run again)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return isinstance(method, UnquantizedEmbeddingMethod)
+
+
+def decided_here(record: logging.LogRecord) -> bool:
+    """A log filter for vLLM's reload logger: its per-layer "<Layer>: Failed to load weights",
+    logged at every sync for the rotary caches and the tied head, is decided by `audit` (harmless,
+    refreshed, or a failed update), so the line is dropped; the reload's other messages pass."""
     return record.msg != "%s: Failed to load weights"
 
 
 class ExactReload:
     """Mixin for a worker-side `WeightTransferEngine` (before it in the bases) whose
     `start_weight_update` / `finish_weight_update` run vLLM's layerwise reload. A new backend's
-    worker side gets the same checks as `checked(ItsEngine)`."""
+    worker side gets the same checks as `checked(ItsEngine)`.
+
+    `finish_weight_update` completes vLLM's lifecycle in any case (so every engine and worker
+    closes its update session) and keeps what went wrong in `failure`; the client fails the sync
+    from `take_failure()` (pace/rollout/transfer.py's `WorkerExtension`, pace/rollout/fleet.py)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        layerwise = logging.getLogger(_LAYERWISE_LOGGER)
-        if _decided_here not in layerwise.filters:
-            layerwise.addFilter(_decided_here)
         self._shared: dict[int, list[str]] = {}
+        self._loaded: set[str] | None = None
         self.last_audit: Audit | None = None
+        self.failure: str | None = None
 
     def start_weight_update(self) -> None:
-        self._shared = shared_parameters(self.model)
+        model = self.model
+        self._shared = shared_parameters(model)
+        model.__dict__.pop("load_weights", None)  # a wrapper left by an update that never finished
+        load, self._loaded = model.load_weights, set()
+
+        def load_weights(weights):  # every backend's receive path loads through it
+            names = load(weights)
+            if names is None or self._loaded is None:
+                self._loaded = None  # a model that does not report its names
+            else:
+                self._loaded.update(names)
+            return names
+
+        model.load_weights = load_weights
         super().start_weight_update()
 
     def finish_weight_update(self) -> None:
         model = self.model
+        self.drain_pending()  # an engine that applies updates in the background: all of them first
         found = audit(model, self._shared)
-        super().finish_weight_update()  # vLLM restores what was not received: the model stays usable
-        for name, layer in found.tied:
-            refresh(name, layer)
+        found.loaded, self._loaded = self._loaded, None
+        model.__dict__.pop("load_weights", None)
+        super().finish_weight_update()  # vLLM restores what received nothing: the engine stays usable
         self.last_audit = found
-        if found.missing:
-            raise IncompleteWeightUpdate(found.message())
+        failures = [found.message()] if found.missing else []
+        for name, layer in found.tied:
+            try:
+                refresh(name, layer)
+            except IncompleteWeightUpdate as exc:
+                failures.append(str(exc))
+        self.failure = "; ".join(failures) or None
+
+    def take_failure(self) -> str | None:
+        """What the last update left undone (one line), or None; cleared."""
+        failure, self.failure = self.failure, None
+        return failure
 
 
 def checked(engine_cls: type) -> type:
     """``engine_cls`` (a worker-side `WeightTransferEngine`) with `ExactReload`."""
     return type(f"Checked{engine_cls.__name__}", (ExactReload, engine_cls), {"__module__": __name__})
-
-
-def _vllm_engines() -> tuple[type, type]:
-    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-    return checked(NCCLWeightTransferEngine), checked(IPCWeightTransferEngine)
-
-
-# vLLM's own engines, checked: what `rollout.weight_transfer=nccl|ipc` builds in the workers
-CheckedNCCLWeightTransferEngine, CheckedIPCWeightTransferEngine = _vllm_engines()

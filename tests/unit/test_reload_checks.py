@@ -1,5 +1,5 @@
 """pace/rollout/reload.py on a toy module through vLLM's own layerwise reload (no engine): what an
-update received, layer by layer; the tied layer's refresh; an incomplete update failing after
+update received, layer by layer; the tied layer's refresh; an incomplete update reported after
 vLLM's finalize. The engine-level tests are tests/integration/test_weight_sync.py."""
 from __future__ import annotations
 
@@ -15,15 +15,16 @@ class _Cache(torch.nn.Module):  # as RotaryEmbedding: a buffer computed from the
         self.register_buffer("cos_sin_cache", torch.arange(4.0), persistent=False)
 
 
-class _EmbeddingMethod:
-    """Stands in for vLLM's UnquantizedEmbeddingMethod: post-load processing packs `weight` into a
-    kernel of the layer's own (vLLM-CPU's `cpu_linear`), which only re-processing refreshes."""
+def _embedding_method():
+    """vLLM's UnquantizedEmbeddingMethod whose post-load processing packs `weight` into a kernel of
+    the layer's own, as vLLM-CPU's `cpu_linear` does, which only re-processing refreshes."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    def process_weights_after_loading(self, layer):
-        layer.packed = layer.weight.detach().clone()
+    class Packing(UnquantizedEmbeddingMethod):
+        def process_weights_after_loading(self, layer):
+            layer.packed = layer.weight.detach().clone()
 
-
-_EmbeddingMethod.__name__ = "UnquantizedEmbeddingMethod"
+    return Packing()
 
 
 class _Toy(torch.nn.Module):
@@ -34,8 +35,19 @@ class _Toy(torch.nn.Module):
         self.rope = _Cache()
         self.head = torch.nn.Linear(4, 6, bias=False)
         self.head.weight = self.embed.weight  # tied: one Parameter, two layers
-        self.head.quant_method = _EmbeddingMethod()
+        self.head.quant_method = _embedding_method()
         self.head.quant_method.process_weights_after_loading(self.head)
+
+    def load_weights(self, weights) -> set[str]:
+        """As a vLLM model's: each tensor through its parameter's (wrapped) loader; names loaded."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        names = set()
+        for name, w in weights:
+            p = self.get_parameter(name)
+            getattr(p, "weight_loader", default_weight_loader)(p, w)
+            names.add(name)
+        return names
 
 
 def _update(model, weights: dict, engine=None):
@@ -46,8 +58,6 @@ def _update(model, weights: dict, engine=None):
         initialize_layerwise_reload,
         record_metadata_for_reloading,
     )
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
     from pace.rollout import reload
 
     record_metadata_for_reloading(model)
@@ -56,9 +66,7 @@ def _update(model, weights: dict, engine=None):
         engine.start_weight_update()
     else:
         initialize_layerwise_reload(model)
-    for name, w in weights.items():
-        p = model.get_parameter(name)
-        getattr(p, "weight_loader", default_weight_loader)(p, w)
+    model.load_weights(weights.items())
     if engine is not None:
         return engine.finish_weight_update()
     found = reload.audit(model, shared)
@@ -92,6 +100,9 @@ class _Engine:
     def __init__(self, model):
         self.model = model
 
+    def drain_pending(self):  # vLLM's base class: nothing deferred
+        pass
+
     def start_weight_update(self):
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
@@ -112,12 +123,16 @@ def test_the_checked_engine_refreshes_the_tied_head_and_fails_an_incomplete_upda
     head = engine.model.head
     assert torch.equal(head.packed, FULL["embed.weight"])  # re-processed from the updated shared weight
     assert [n for n, _ in engine.last_audit.tied] == ["head"]
+    assert engine.last_audit.loaded == set(FULL) and "load_weights" not in vars(engine.model)  # unwrapped
+
+    assert engine.take_failure() is None
 
     engine = reload.checked(_Engine)(_Toy())
     before = engine.model.mid.weight.detach().clone()
-    with pytest.raises(reload.IncompleteWeightUpdate, match=r"weight update incomplete: mid got 0 of 20 elements \(1 layers"):
-        _update(engine.model, {"embed.weight": FULL["embed.weight"]}, engine)
+    _update(engine.model, {"embed.weight": FULL["embed.weight"]}, engine)  # vLLM's lifecycle completes
     assert engine.finished and torch.equal(engine.model.mid.weight, before)  # finalize ran: vLLM put θ_prev back
+    assert engine.take_failure().startswith("weight update incomplete: mid got 0 of 20 elements (1 layers")
+    assert engine.take_failure() is None  # taken once
 
 
 def test_a_tied_layer_whose_processing_cannot_be_redone_fails_in_one_line():
@@ -125,8 +140,9 @@ def test_a_tied_layer_whose_processing_cannot_be_redone_fails_in_one_line():
 
     model = _Toy()
     model.head.quant_method = type("Fp8LinearMethod", (), {"process_weights_after_loading": lambda self, layer: None})()
-    with pytest.raises(reload.IncompleteWeightUpdate, match="tied layer head .Fp8LinearMethod. received no weights"):
-        _update(model, FULL, reload.checked(_Engine)(model))
+    engine = reload.checked(_Engine)(model)
+    _update(model, FULL, engine)
+    assert engine.take_failure().startswith("weight update: tied layer head (Fp8LinearMethod) received no weights")
 
 
 def test_every_backend_builds_a_checked_engine_in_the_workers():
@@ -153,14 +169,29 @@ def test_only_the_failed_load_lines_the_audit_decides_are_dropped_from_vllms_log
 
     from pace.rollout import reload
 
-    reload.checked(_Engine)(_Toy())
-    logger = logging.getLogger(reload._LAYERWISE_LOGGER)
+    import pace.rollout.transfer  # noqa: F401 - registering the backends installs the filter
+
+    logger = logging.getLogger(reload.LAYERWISE_LOGGER)
     logger.propagate, propagate = True, logger.propagate
     try:
-        with caplog.at_level(logging.WARNING, logger=reload._LAYERWISE_LOGGER):
+        with caplog.at_level(logging.WARNING, logger=reload.LAYERWISE_LOGGER):
             layerwise.logger.warning("%s: Failed to load weights", "RotaryEmbedding")
             layerwise.logger.warning("Allocating %.1f MB of device memory to buffers", 12.0)
     finally:
         logger.propagate = propagate
-    logged = [r.getMessage() for r in caplog.records if r.name == reload._LAYERWISE_LOGGER]
+    logged = [r.getMessage() for r in caplog.records if r.name == reload.LAYERWISE_LOGGER]
     assert logged == ["Allocating 12.0 MB of device memory to buffers"]
+
+
+def test_a_padded_vocabulary_expects_only_the_rows_a_checkpoint_has():
+    """vLLM pads a vocab-parallel layer's rows to a multiple of 64 and zero-fills them itself
+    (uncounted): a vocabulary of 50,280 must not read as a partial load."""
+    from types import SimpleNamespace
+
+    from pace.rollout.reload import expected_elements
+
+    shard = SimpleNamespace(num_org_elements=50_280)
+    assert expected_elements(SimpleNamespace(shard_indices=shard, embedding_dim=8), 50_304 * 8) == 50_280 * 8
+    head = SimpleNamespace(shard_indices=shard, embedding_dim=8, has_bias=True)
+    assert expected_elements(head, 50_304 * 9) == 50_280 * 9
+    assert expected_elements(torch.nn.Linear(4, 4), 20) == 20
