@@ -14,8 +14,9 @@ copied back into its kernel tensors) once it has received as many elements as it
   shared tensor, which the embedding's processing refreshes, but on CPU
   `UnquantizedEmbeddingMethod.process_weights_after_loading` also built the head's own GEMM
   kernel (`layer.cpu_linear`: oneDNN or SGL weights packed from θ_0), and nothing rebuilds it.
-  The engine then samples from θ_v's body and θ_0's head (0.95 nats a token after a move of
-  N(0, 0.05²), and a train–inference mismatch that grew 1e-6 → 1e-3 over 20 sync steps). Fix: a
+  The engine then samples from θ_v's body and θ_0's head (up to 2.1 nats a token after a move of
+  every parameter by N(0, 0.05²); in a sync run an on-policy mismatch of 4.5e-7 at step 0 grew to
+  7e-4 by step 19, flat at ~4e-7 with the fix). Fix: a
   layer that received nothing but whose parameters are all shared with layers that received
   theirs is re-processed after the reload. On CUDA the same processing is a no-op (the head reads
   the shared weight directly), so the refresh costs nothing there.
