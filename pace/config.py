@@ -40,6 +40,9 @@ class DataConfig:
     split: str = "train"
     template: str = "dapo"  # math prompt template: dapo | retool (tool use) | plain (see pace.tasks.math)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+    # Qwen3's chat template switch (`enable_thinking`), passed to it when not null; null: the
+    # template's own default (Qwen3's hybrid models think by default; the Base models' presets leave it)
+    enable_thinking: Optional[bool] = None
     # Prompts longer than this (tokens) are dropped at load, with one warning naming the source and
     # the count; prompts that cannot fit rollout.max_model_len with rollout.max_tokens always are.
     max_prompt_tokens: Optional[int] = None
@@ -137,6 +140,11 @@ class PaceConfig:
     ema: float = 0.9  # β of the rejection rate ρ
     score_window: int = 512  # PFS values the percentile rank u is taken over
     prefix_tokens: int = 16  # m: response tokens rescored for the PFS
+    # Which of the R_j highest-scoring groups are rejected at step j (README "Selection"): `pool`
+    # rejects all of them, wherever they are in the pool; `draw` (the paper's wording: the trainer
+    # draws groups in completion order, filtering, until it has B) only those drawn before the B-th
+    # kept group; the others stay pooled. The batch of step j is the same under both.
+    selection: str = "pool"
 
 
 @dataclass
@@ -257,6 +265,7 @@ _CHOICES = {
     "data.template": ("dapo", "retool", "plain"),
     "pool.name": ("sync", "async", "stale_k", "gate", "pace"),
     "pace.score": ("effective", "raw", "generation"),
+    "pace.selection": ("pool", "draw"),
     "algo.name": ("dapo", "m2po"),
     "algo.ratio_ref": ("behavior", "proximal"),
     "algo.is_correction": ("none", "tis", "mis"),

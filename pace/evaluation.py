@@ -82,7 +82,7 @@ def sets_from_config(cfg, tokenizer) -> tuple[dict[str, list[Prompt]], dict[str,
     sets = load_sets(list(cfg.eval.benchmarks), cfg.eval.data_dir, cfg.data.template,
                      OmegaConf.to_object(cfg.data.arithmetic), OmegaConf.to_object(cfg.data.tool_arithmetic))
     if cfg.data.chat_template:
-        sets = {name: with_chat_template(ps, tokenizer) for name, ps in sets.items()}
+        sets = {name: with_chat_template(ps, tokenizer, cfg.data.enable_thinking) for name, ps in sets.items()}
     max_tokens = cfg.eval.max_tokens or cfg.rollout.max_tokens
     limit, keys = prompt_token_limit(cfg.rollout.max_model_len, max_tokens)
     dropped = {}

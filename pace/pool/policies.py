@@ -80,15 +80,17 @@ class PacePolicy(PoolPolicy):
 
     1. wait for B groups; 2. ρ_j from the pool's excess over `pace.target_pool`; 3. budget R_j;
     4. score every pooled group (`pace.score`); 5. reject the R_j highest scores (ties: older
-    completion first), then take B groups FIFO from the rest.
+    completion first), then take B groups FIFO from the rest. With `selection="draw"` only the
+    high scorers that come before the B-th kept group in completion order are rejected (the paper's
+    "draws until it has formed a full batch"); the later ones stay pooled for the next step.
     """
 
     name = "pace"
 
     def __init__(self, batch_prompts: int, max_inflight_groups: int, score: str, gamma: float,
-                 target_pool: int, ema: float, score_window: int):
+                 target_pool: int, ema: float, score_window: int, selection: str = "pool"):
         super().__init__(batch_prompts, max_inflight_groups)
-        self.kind, self.gamma = score, gamma
+        self.kind, self.gamma, self.selection = score, gamma, selection
         self.controller = RejectionController(target_pool, ema)
         self.window = ScoreWindow(score_window)
 
@@ -139,6 +141,9 @@ class PacePolicy(PoolPolicy):
         kept = np.ones(n, dtype=bool)
         kept[rejected] = False
         taken = np.flatnonzero(kept)[: self.batch_prompts]
+        if self.selection == "draw":  # the draw stops at the B-th kept group: later high scorers stay
+            rejected = rejected[rejected < taken[-1]]
+            metrics["spared"] = budget - len(rejected)
         # Scores are logged per group: compute them in full for the groups decided now.
         decided = np.concatenate([rejected, taken])
         s, u, s_eff = self._scores(pooled.pfs[slots[decided]], k_wait[decided], k_gen[decided])
@@ -181,5 +186,5 @@ def build_policy(cfg) -> PoolPolicy:
         p = cfg.pace
         target = cfg.data.batch_prompts if p.target_pool is None else p.target_pool
         return PacePolicy(**common, score=p.score, gamma=p.gamma, target_pool=target, ema=p.ema,
-                          score_window=p.score_window)
+                          score_window=p.score_window, selection=p.selection)
     return POLICIES[name](**common)

@@ -20,12 +20,14 @@ class Prompt:
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
 
-def with_chat_template(prompts: list[Prompt], tokenizer) -> list[Prompt]:
-    """Prompts wrapped as one user turn of the tokenizer's chat template (`data.chat_template`)."""
+def with_chat_template(prompts: list[Prompt], tokenizer, enable_thinking: bool | None = None) -> list[Prompt]:
+    """Prompts wrapped as one user turn of the tokenizer's chat template (`data.chat_template`);
+    ``enable_thinking`` (`data.enable_thinking`) goes to the template when not None (Qwen3's switch)."""
     from dataclasses import replace
 
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     wrap = lambda text: tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False, **extra
     )
     return [replace(p, text=wrap(p.text)) for p in prompts]
 

@@ -32,7 +32,7 @@ def train_prompts(cfg, tokenizer) -> list[Prompt]:
         except DataError as exc:
             raise DataError(f"data.path: {exc}") from exc
     if cfg.data.chat_template:
-        prompts = with_chat_template(prompts, tokenizer)
+        prompts = with_chat_template(prompts, tokenizer, cfg.data.enable_thinking)
     return fit_train_prompts(cfg, prompts, tokenizer)
 
 

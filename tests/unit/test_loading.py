@@ -99,3 +99,22 @@ def test_eval_on_benchmarks_too_long_for_the_tiny_context_fails_in_one_line(tiny
     assert "Traceback" not in proc.stderr and "VLLMValidationError" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: aime_2023: all ") and "raise rollout.max_model_len" in last, last
+
+
+# Qwen3's chat template, cut to its generation prompt: thinking off adds an empty think block.
+QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+                  "{% endif %}")
+
+
+@pytest.mark.parametrize("thinking, block", [(None, False), (True, False), (False, True)])
+def test_enable_thinking_reaches_the_chat_template(tmp_path, thinking, block):
+    tok = build_tokenizer()
+    tok.chat_template = QWEN3_TEMPLATE
+    path = _math_file(tmp_path, [3])
+    cfg = _cfg(**{"data.source": "math", "data.path": str(path), "data.template": "plain", "data.chat_template": True,
+                  "data.enable_thinking": thinking})
+    [p] = train_prompts(cfg, tok)
+    assert p.text.startswith("<|im_start|>user\nyyy<|im_end|>\n<|im_start|>assistant\n")
+    assert p.text.endswith("<think>\n\n</think>\n\n") == block

@@ -151,6 +151,52 @@ def test_vectorised_selection_matches_the_reference_loop(specs, kind, gamma, b, 
     assert [g.id for g in sel.batch] == want_batch
 
 
+def test_draw_rejects_only_the_high_scorers_drawn_before_the_batch_is_full():
+    # The hand case above under `pace.selection=draw`: the budget is 4 (ids 0, 2, 4, 5), the draw in
+    # completion order meets 0 (rejected), 1 (kept), 2 (rejected), 3 (kept): the batch is full, so
+    # ids 4 and 5 stay pooled. The batch is the one `pool` selection takes.
+    pooled = [group(i, [v] * 4, c) for i, (v, c) in enumerate([(0, 5), (5, 5), (1, 5), (4, 5), (2, 5), (3, 5)])]
+    p = PacePolicy(2, 100, score="raw", gamma=1.0, target_pool=2, ema=0.0, score_window=16, selection="draw")
+    sel = p.select(PoolColumns.of(pooled), step=6)
+    assert sorted(g.id for g, _, _ in sel.removed) == [0, 2]
+    assert [g.id for g in sel.batch] == [1, 3]
+    assert sel.metrics["budget"] == 4 and sel.metrics["spared"] == 2
+
+
+def reference_draw(pooled, step, kind, gamma, window, budget, b):
+    """The paper's wording as a loop: draw groups in completion order; one among the `budget`
+    highest scores of the pool is rejected, any other is kept, until B are kept."""
+    top = set(reference_select(pooled, step, kind, gamma, window, budget, b)[0])
+    rejected, batch = [], []
+    for g in pooled:
+        if len(batch) == b:
+            break
+        (rejected if g.id in top else batch).append(g.id)
+    return sorted(rejected), batch
+
+
+@settings(max_examples=100)
+@given(
+    specs=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3), st.integers(1, 4), st.one_of(st.none(), st.integers(0, 4))),
+                   min_size=1, max_size=40),
+    kind=st.sampled_from(["effective", "raw", "generation"]),
+    b=st.integers(1, 4),
+    target=st.integers(0, 8),
+)
+def test_draw_selection_matches_the_drawing_loop(specs, kind, b, target):
+    pooled = [group(i, [max(0, c - lag)] * n + [c], c, None if q is None else q / 4) for i, (c, lag, n, q) in enumerate(specs)]
+    p = PacePolicy(b, 100, score=kind, gamma=2.0, target_pool=target, ema=0.0, score_window=8, selection="draw")
+    p.record_pfs([0.0, 0.25, 0.5, 0.75, 1.0])
+    sel = p.select(PoolColumns.of(pooled), step=7)
+    if len(pooled) < b:
+        assert sel is None
+        return
+    want_rejected, want_batch = reference_draw(pooled, 7, kind, 2.0, p.window, sel.metrics["budget"], b)
+    assert sorted(g.id for g, _, _ in sel.removed) == want_rejected
+    assert [g.id for g in sel.batch] == want_batch
+    assert sel.metrics["spared"] == sel.metrics["budget"] - len(want_rejected)
+
+
 def test_pace_effective_discounts_generation_staleness_of_low_pfs_groups():
     p = pace(b=1, target=1, kind="effective", gamma=1.0)
     p.record_pfs([0.1, 0.2, 0.3, 0.4])
