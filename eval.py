@@ -2,7 +2,7 @@
 
     python eval.py                                               # tiny model, arithmetic val split by level
     python eval.py model.path=runs/<run>/best eval=math6         # Table 1's six benchmarks, mean@32 (hub)
-    python eval.py model.path=Qwen/Qwen3-8B eval=math6 eval.data_dir=../shared/benchmarks data.chat_template=true
+    python eval.py model.path=Qwen/Qwen3-8B-Base eval=math6 eval.data_dir=../shared/benchmarks data.chat_template=true
 
 mean@k = mean over problems of the fraction of k samples that are correct (one request per problem
 with n = k); `avg` is the unweighted mean over benchmarks. Prompts use the training template

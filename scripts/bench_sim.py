@@ -29,10 +29,10 @@ from pace.sim.run import Simulation  # noqa: E402
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-# The qwen3_8b scenario is generation-bound at B = 512 (PACE's pool never reaches its target); the
-# 8B-on-H200s scenario with short responses, at the same B, G and in-flight cap, is training-bound:
-# there PACE rejects (~45% of the completed groups: production is ~2× consumption) and rescores, and
-# its 384 sequences per engine overfill the KV budget (~3 M preemptions in 300 steps)
+# DAPO's 512-prompt step (the *_qwen3_8b_dapo512 presets) is the large case. On the presets' node
+# (qwen3_8b) it is training-bound with a small backlog (PACE rejects ~1% of the groups); on the
+# Figure 8 scenario's 8 engines, at the same B, G and in-flight cap, production is ~2× consumption:
+# PACE rejects about half of the completed groups and rescores many more
 REJECTING = ("+sim=qwen3_8b_fig8", "data.batch_prompts=512", "rollout.max_inflight_groups=1024")
 
 
@@ -40,7 +40,7 @@ def simulate(policy: str, steps: int, *overrides: str) -> dict:
     scenario = list(REJECTING) if policy.endswith("+rejecting") else ["+sim=qwen3_8b"]
     policy = policy.removesuffix("+rejecting")
     with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose("simulate", overrides=[f"+exp={policy}_qwen3_8b", *scenario, f"trainer.steps={steps}",
+        cfg = compose("simulate", overrides=[f"+exp={policy}_qwen3_8b_dapo512", *scenario, f"trainer.steps={steps}",
                                              "logger.mode=disabled", *overrides])
     validate_sim(cfg)
     sim = Simulation(cfg)
@@ -63,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     register_run()
     register()
-    print(f"8B scenarios, B = 512, G = 16, 1,024 groups in flight, {args.steps} steps (eval.every=0: no validation holds)")
+    print(f"8B scenarios, DAPO's step (B = 512, G = 16, 16 updates), 1,024 groups in flight, {args.steps} steps (eval.every=0: no validation holds)")
     for policy in args.policies:
         r = simulate(policy, args.steps, "eval.every=0")
         print(f"  {policy:15s} wall {r['wall_s']:6.1f} s   {r['events']:>9,} events  {r['responses']:>10,} responses  "

@@ -1,23 +1,26 @@
-"""The paper-scenario report (issue #20): what the simulator predicts for the paper's settings, and
+"""The paper-scenario report: what the simulator predicts for the paper presets on their node, and
 which inputs reproduce the paper's Figure 8 (Async 26.19 s, PACE 28.22 s / raw 26.50 s, Sync 97.01 s).
 
     python scripts/sim_paper.py                       # ~10 min on one core → reports/sim/paper.md + figures
-    python scripts/sim_paper.py --steps 40 --grid-steps 40 --runs /tmp/sp --out /tmp/sp_report   # quicker
+    python scripts/sim_paper.py --steps 60 --grid-steps 40 --runs /tmp/sp --out /tmp/sp_report   # quicker
 
-Part A, the presets as configured: Qwen3-8B / 4B DAPO and the 30B-A3B MoE (`+exp=<method>_<model>
-+sim=<model>`: B = 512, G = 16, 20k-token cap) on the layouts of the scale-out issue, 4 rollout + 4
-trainer GPUs and 6 + 2; Sync, Async, PACE raw and PACE (effective). Each writes a run directory
-(runs/sim_paper/<model>_<layout>/<method>) and `analysis.build` draws its figures (Figure 8: wall
-time per step by phase; Figures 6/7: retained vs rejected, consumed staleness).
+Part A, the presets as configured (`+exp=<method>_<model> +sim=<model>`, nothing else overridden:
+the run's own validation cadence included): the paper's step (B = 32 prompts × 16, one optimizer
+update per version) for Qwen3-8B, 4B and 30B-A3B on the presets' node (4 rollout + 4 trainer
+H200s), beside DAPO's 512-prompt step (`*_qwen3_8b_dapo512`, 16 updates per version) and two
+variants of the node (the 8B on H100s; the 4B on 6 rollout + 2 trainer GPUs). Sync, Async, PACE
+raw and PACE; each writes a run directory (runs/sim_paper/<row>/<method>) and `analysis.build`
+draws its figures (Figure 8: wall time per step by phase; Figures 6/7: retained vs rejected,
+consumed staleness). Hours for 300 steps are the simulated wall time of the 300-step run.
 
-Part B, Figure 8 backwards: the 8B scenario on 4 + 4 GPUs with the batch B, a scale of the
-response lengths and the number of engines varied; per cell the four step times, compared with
-the paper's by their ratios. The cells closest to the paper say what its numbers imply about its
-batch, lengths and hardware; the closest in which PACE rejects is run again with run directories and
-figures (its values are conf/sim/qwen3_8b_fig8.yaml, the scenario of the sweep in scripts/sim_sweep.sh).
+Part B, Figure 8 backwards: the 8B scenario on 4 trainer GPUs with the batch B, a scale of the
+response lengths, the number of engines and the GPU varied (DAPO's 16 updates per version, the
+grid's setting since it was made); per cell the four step times, compared with the paper's by their
+ratios. The closest cell in which PACE rejects is run again with run directories and figures (its
+values are conf/sim/qwen3_8b_fig8.yaml).
 
 Every value the scenarios use is in conf/sim/<model>.yaml with its source (roofline estimates, not
-measurements); a layout scales the trainer's per-step and per-token seconds by 4 / its GPUs.
+measurements); a layout scales the trainer's per-step, per-update and per-token seconds by 4 / its GPUs.
 """
 from __future__ import annotations
 
@@ -50,22 +53,26 @@ from pace.sim.run import Simulation  # noqa: E402
 PAPER = {"sync": 97.01, "async": 26.19, "pace_raw": 26.50, "pace": 28.22}  # Figure 8, s/step
 METHODS = {"sync": ("sync", []), "async": ("async", []), "pace_raw": ("pace", ["pace.score=raw"]), "pace": ("pace", [])}
 NAMES = {"sync": "Sync", "async": "Async", "pace_raw": "PACE (raw)", "pace": "PACE"}
-# (model, layout, engines, trainer GPUs): the presets' 4 + 4 and the scale-out issue's 6 + 2 (the MoE's
-# engines are tensor-parallel pairs: 2 engines = 4 GPUs)
-LAYOUTS = [("qwen3_8b", "4+4", 4, 4), ("qwen3_8b", "6+2", 6, 2), ("qwen3_4b", "4+4", 4, 4), ("qwen3_4b", "6+2", 6, 2),
-           ("qwen3_30b_a3b", "4+4", 2, 4), ("qwen3_30b_a3b", "6+2", 3, 2)]
+# Part A's rows: (label, preset suffix, scenario, node, trainer GPUs, overrides). The presets' own
+# node first (4 rollout + 4 trainer H200s; the MoE's engines are tensor-parallel pairs), then DAPO's
+# step on it, then two variants of the node.
+ROWS = [("qwen3_8b", "qwen3_8b", "qwen3_8b", "4+4 H200", 4, []),
+        ("qwen3_4b", "qwen3_4b", "qwen3_4b", "4+4 H200", 4, []),
+        ("qwen3_30b_a3b", "qwen3_30b_a3b", "qwen3_30b_a3b", "(2×TP2)+4 H200", 4, []),
+        ("qwen3_8b_dapo512", "qwen3_8b_dapo512", "qwen3_8b", "4+4 H200", 4, []),
+        ("qwen3_8b_h100", "qwen3_8b", "qwen3_8b_h100", "4+4 H100", 4, []),
+        ("qwen3_4b_6-2", "qwen3_4b", "qwen3_4b", "6+2 H200", 2, ["rollout.engines=6"])]
 WARMUP = 5
 
 
-def config(model: str, method: str, steps: int, trainer_gpus: int, *overrides: str):
+def config(preset: str, scenario: str, method: str, steps: int, trainer_gpus: int, *overrides: str):
     pool, extra = METHODS[method]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose("simulate", overrides=[f"+exp={pool}_{model}", f"+sim={model}", f"trainer.steps={steps}",
-                                             "logger.mode=disabled", "eval.every=0", *extra, *overrides])
+        cfg = compose("simulate", overrides=[f"+exp={pool}_{preset}", f"+sim={scenario}", f"trainer.steps={steps}",
+                                             "logger.mode=disabled", *extra, *overrides])
     t = cfg.sim.trainer  # the scenario's trainer is 4 GPUs: FSDP shards the optimizer and the tokens over them
-    t.step_s, t.per_token_s = t.step_s * 4 / trainer_gpus, t.per_token_s * 4 / trainer_gpus
-    t.step_s *= cfg.trainer.mini_batches / 16  # the scenarios' step_s is 16 optimizer updates (the presets' mini-batches)
-    cfg.exp_name = f"{method}_{model}"
+    t.step_s, t.per_update_s, t.per_token_s = (x * 4 / trainer_gpus for x in (t.step_s, t.per_update_s, t.per_token_s))
+    cfg.exp_name = f"{method}_{preset}"
     validate_sim(cfg)
     return cfg
 
@@ -74,6 +81,7 @@ def simulate(cfg, run_dir: Path | None = None) -> dict:
     """Mean seconds per step by phase (steps ≥ WARMUP) and the consumed groups' staleness
     percentiles; with ``run_dir``, simulate.py's run directory too."""
     rows, consumed = [], []
+    sim = None
 
     def on_step(step: int, metrics: dict, decided: list) -> None:
         rows.append(metrics)
@@ -81,16 +89,20 @@ def simulate(cfg, run_dir: Path | None = None) -> dict:
 
     t = time.perf_counter()
     if run_dir is None:
-        Simulation(cfg, on_step=on_step).run()
+        sim = Simulation(cfg, on_step=on_step)
+        sim.run()
+        total_s = sim.now
     else:
         import simulate as simulate_py
 
         shutil.rmtree(run_dir, ignore_errors=True)  # a run directory is appended to: start clean
-        simulate_py.run(cfg, run_dir, on_step=on_step)
+        total_s = simulate_py.run(cfg, run_dir, on_step=on_step)["sim"]["sim_s"]
     mean = {k: float(np.mean([r.get(k, 0.0) for r in rows[WARMUP:]])) for k in
             ("time/step", "time/wait_data", "time/train", "time/sync", "time/generate", "time/rescore", "pool/occupancy",
              "pool/rejected", "pool/filtered", "staleness/k_mean", "staleness/k_gen_mean", "staleness/k_wait_mean",
              "rollout/tokens_per_s", "train/response_len")}
+    mean["rejecting_steps"] = float(np.mean([r.get("pool/rejected", 0) > 0 for r in rows[WARMUP:]]))
+    mean["hours_per_300"] = total_s / len(rows) * 300 / 3600  # the run's simulated wall time, per 300 steps
     k = np.array(consumed)
     mean["dist"] = {name: [float(x) for x in np.percentile(k[:, i], [50, 90, 99])] + [float(k[:, i].max())]
                     for i, name in enumerate(("k", "k_gen", "k_wait"))}
@@ -100,11 +112,13 @@ def simulate(cfg, run_dir: Path | None = None) -> dict:
 
 def part_a(steps: int, runs: Path) -> list[dict]:
     out = []
-    cases = [(m, lay, e, tg, meth) for m, lay, e, tg in LAYOUTS for meth in METHODS]
-    for model, layout, engines, trainer_gpus, method in tqdm(cases, desc="A: presets", dynamic_ncols=True):
-        cfg = config(model, method, steps, trainer_gpus, f"rollout.engines={engines}")
-        run_dir = runs / f"{model}_{layout.replace('+', '-')}" / method
-        out.append({"model": model, "layout": layout, "method": method, "run_dir": str(run_dir), **simulate(cfg, run_dir)})
+    cases = [(*row, meth) for row in ROWS for meth in METHODS]
+    for label, preset, scenario, node, trainer_gpus, overrides, method in tqdm(cases, desc="A: presets", dynamic_ncols=True):
+        cfg = config(preset, scenario, method, steps, trainer_gpus, *overrides)
+        run_dir = runs / label / method
+        out.append({"row": label, "preset": preset, "scenario": scenario, "node": node, "method": method,
+                    "B": cfg.data.batch_prompts, "updates": cfg.trainer.mini_batches, "run_dir": str(run_dir),
+                    **simulate(cfg, run_dir)})
     return out
 
 
@@ -120,13 +134,13 @@ def grid_cells() -> list[dict]:
 
 
 @functools.cache
-def _engine_8b():
-    return OmegaConf.load(ROOT / "conf" / "sim" / "qwen3_8b.yaml").sim.engine
+def _engine_h100():
+    return OmegaConf.load(ROOT / "conf" / "sim" / "qwen3_8b_h100.yaml").sim.engine
 
 
 def cell_overrides(c: dict) -> list[str]:
     read, kv = HARDWARE[c["gpu"]]
-    e = _engine_8b()
+    e = _engine_h100()
     return [f"data.batch_prompts={c['B']}", f"rollout.max_inflight_groups={2 * c['B']}",  # the presets' 2B in flight
             f"sim.responses.length_scale={c['length_scale']}", f"rollout.engines={c['engines']}",
             f"rollout.max_num_seqs={c['max_num_seqs']}", f"trainer.mini_batches={min(16, c['B'])}",
@@ -137,7 +151,7 @@ def cell_overrides(c: dict) -> list[str]:
 def part_b(steps: int) -> list[dict]:
     out = []
     for c in tqdm(grid_cells(), desc="B: Figure 8 grid", dynamic_ncols=True):
-        res = {m: simulate(config("qwen3_8b", m, steps, 4, *cell_overrides(c))) for m in METHODS}
+        res = {m: simulate(config("qwen3_8b", "qwen3_8b", m, steps, 4, "eval.every=0", *cell_overrides(c))) for m in METHODS}
         pred = {m: res[m]["time/step"] for m in METHODS}
         dist = math.sqrt(np.mean([math.log(pred[m] / PAPER[m]) ** 2 for m in METHODS]))
         out.append({**c, "step": pred, "distance": dist, "train": res["async"]["time/train"],
@@ -167,27 +181,49 @@ def _pct(d: list[float]) -> str:
 
 
 def write_report(a: list[dict], b: list[dict], best: list[dict], out: Path, args) -> None:
-    lines = ["# Paper scenarios: predicted step times and staleness (issue #20)", "",
-             f"`python scripts/sim_paper.py --steps {args.steps} --grid-steps {args.grid_steps}` (written by the script; "
+    lines = ["# Paper scenarios: predicted step times and staleness", "",
+             f"`python scripts/sim_paper.py --a-steps {args.a_steps} --steps {args.steps} --grid-steps {args.grid_steps}` "
+             "(written by the script; "
              "the reading of these numbers is in [README.md](README.md)). Means over steps ≥ 5; staleness of the consumed "
              "groups (p50 / p90 / max). Every input is an estimate with its source in `conf/sim/<model>.yaml`; nothing "
              "here was measured on a GPU.", ""]
     if a:
-        lines += ["## A. The presets as configured (B = 512, G = 16, cap 20,480)", "",
-                  _row("model", "GPUs rollout+trainer", "method", "s/step", "wait", "train", "sync", "generate (overlapped)",
-                       "pool", "rejected/step", "K p50/p90/max", "K_gen p50/p90/max", "K_wait p50/p90/max", "tokens/s"),
-                  _row(*["---"] * 3, *["---:"] * 7, *["---"] * 3, "---:")]
+        by = {(r["row"], r["method"]): r for r in a}
+        lines += ["## A. The presets as configured", "",
+                  f"`python simulate.py +exp=<method>_<preset> +sim=<scenario> trainer.steps={args.a_steps}` for each row, "
+                  "nothing else overridden (the presets' in-training validation included: it holds weight loads for "
+                  "`sim.trainer.val_s`). The paper's step is B = 32 prompts × 16 responses and one optimizer update per "
+                  "policy version; `dapo512` is DAPO's step, 512 prompts and 16 updates per version. Hours: the simulated "
+                  "wall time of the run, per 300 steps (the paper's PACE run peaked at 2 h 54 min of training-step time).", "",
+                  "### Step time per method, and the ratios", "",
+                  _row("preset", "scenario", "node (rollout+trainer)", "B × updates", "Sync s/step", "Async", "PACE raw",
+                       "PACE", "Sync/Async", "PACE/Async", "PACE raw/Async", "Async h/300", "PACE h/300", "Sync h/300"),
+                  _row("---", "---", "---", "---", *["---:"] * 10),
+                  _row("paper (Figure 8)", "", "", "", PAPER["sync"], PAPER["async"], PAPER["pace_raw"], PAPER["pace"],
+                       f"{PAPER['sync'] / PAPER['async']:.2f}", f"{PAPER['pace'] / PAPER['async']:.3f}",
+                       f"{PAPER['pace_raw'] / PAPER['async']:.3f}", "", "2.9 (peak)", "")]
+        for label, preset, scenario, node, _, _ in ROWS:
+            if (label, "async") not in by:
+                continue
+            t = {m: by[label, m]["time/step"] for m in METHODS}
+            h = {m: by[label, m]["hours_per_300"] for m in METHODS}
+            r = by[label, "async"]
+            lines.append(_row(label, scenario, node, f"{r['B']} × {r['updates']}", *(f"{t[m]:.1f}" for m in METHODS),
+                              f"{t['sync'] / t['async']:.2f}", f"{t['pace'] / t['async']:.3f}",
+                              f"{t['pace_raw'] / t['async']:.3f}", f"{h['async']:.1f}", f"{h['pace']:.1f}", f"{h['sync']:.1f}"))
+        lines += ["", "### Phases, the pool and staleness", "",
+                  _row("preset", "method", "s/step", "wait", "train", "sync", "pool", "rejected/step", "steps rejecting",
+                       "K p50/p90/max", "K_gen p50/p90/max", "K_wait p50/p90/max", "tokens/s", "mean response"),
+                  _row("---", "---", *["---:"] * 7, "---", "---", "---", "---:", "---:")]
         for r in a:
             d = r["dist"]
-            lines.append(_row(r["model"], r["layout"], NAMES[r["method"]], f"{r['time/step']:.0f}", f"{r['time/wait_data']:.0f}",
-                              f"{r['time/train']:.0f}", f"{r['time/sync']:.1f}", f"{r['time/generate']:.0f}",
-                              f"{r['pool/occupancy']:.0f}", f"{r['pool/rejected']:.1f}", _pct(d["k"]), _pct(d["k_gen"]),
-                              _pct(d["k_wait"]), f"{r['rollout/tokens_per_s']:,.0f}"))
-        step = {(r["model"], r["layout"], r["method"]): r["time/step"] for r in a}
-        ratios = ", ".join(f"{m} {lay} {step[m, lay, 'sync'] / step[m, lay, 'async']:.2f}" for m, lay, _, _ in LAYOUTS)
-        figs = ", ".join(f"[{m} {lay}](paper_{m}_{lay.replace('+', '-')}/walltime.png)" for m, lay, _, _ in LAYOUTS)
-        lines += ["", f"Sync / Async step-time ratio: {ratios} (paper: 97.01 / 26.19 = 3.70).", "",
-                  f"Figures (`python -m analysis.build`, one directory per model and layout): {figs}; each directory also "
+            lines.append(_row(r["row"], NAMES[r["method"]], f"{r['time/step']:.1f}", f"{r['time/wait_data']:.1f}",
+                              f"{r['time/train']:.1f}", f"{r['time/sync']:.1f}", f"{r['pool/occupancy']:.0f}",
+                              f"{r['pool/rejected']:.2f}", f"{100 * r['rejecting_steps']:.0f}%", _pct(d["k"]),
+                              _pct(d["k_gen"]), _pct(d["k_wait"]), f"{r['rollout/tokens_per_s']:,.0f}",
+                              f"{r['train/response_len']:,.0f}"))
+        figs = ", ".join(f"[{label}](paper_{label}/walltime.png)" for label, *_ in ROWS)
+        lines += ["", f"Figures (`python -m analysis.build`, one directory per row): {figs}; each directory also "
                   "has consumed_staleness.png (Figure 7) and pace_staleness.png (Figure 6).", ""]
     if b:
         p = PAPER
@@ -228,7 +264,8 @@ def write_report(a: list[dict], b: list[dict], best: list[dict], out: Path, args
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=60, help="steps of each part-A run and of the closest cell's runs")
+    ap.add_argument("--a-steps", type=int, default=300, help="steps of each part-A run (the presets' 300)")
+    ap.add_argument("--steps", type=int, default=60, help="steps of the closest cell's runs (part B)")
     ap.add_argument("--grid-steps", type=int, default=60, help="steps of each part-B run")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "sim_paper")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "sim")
@@ -238,16 +275,15 @@ def main() -> None:
     register()
     args.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    a = part_a(args.steps, args.runs) if "A" in args.parts else []
-    for model, layout, _, _ in LAYOUTS if a else []:
-        key = f"{model}_{layout.replace('+', '-')}"
-        build_figures([r["run_dir"] for r in a if (r["model"], r["layout"]) == (model, layout)], args.out / f"paper_{key}")
+    a = part_a(args.a_steps, args.runs) if "A" in args.parts else []
+    for label, *_ in ROWS if a else []:
+        build_figures([r["run_dir"] for r in a if r["row"] == label], args.out / f"paper_{label}")
     b = part_b(args.grid_steps) if "B" in args.parts else []
     best = []
     if b:
         c = _closest_rejecting(b)
         for m in METHODS:
-            cfg = config("qwen3_8b", m, args.steps, 4, *cell_overrides(c))
+            cfg = config("qwen3_8b", "qwen3_8b", m, args.steps, 4, "eval.every=0", *cell_overrides(c))
             best.append({"method": m, "run_dir": str(args.runs / "fig8" / m), **simulate(cfg, args.runs / "fig8" / m)})
         build_figures([r["run_dir"] for r in best], args.out / "paper_fig8")
     write_report(a, b, best, args.out, args)

@@ -186,5 +186,5 @@ def build_policy(cfg) -> PoolPolicy:
         p = cfg.pace
         target = cfg.data.batch_prompts if p.target_pool is None else p.target_pool
         return PacePolicy(**common, score=p.score, gamma=p.gamma, target_pool=target, ema=p.ema,
-                          score_window=p.score_window, selection=p.selection)
+                          score_window=p.score_window, selection=getattr(p, "selection", "pool"))  # absent in configs saved before it
     return POLICIES[name](**common)

@@ -32,9 +32,11 @@ class SimEngineConfig:
 
 @dataclass
 class SimTrainerConfig:
-    """One training step: step_s + per_token_s · tokens (prompt + response tokens of the batch)."""
+    """One training step: step_s + per_update_s · trainer.mini_batches + per_token_s · tokens
+    (prompt + response tokens of the batch)."""
 
     step_s: float = 1.0
+    per_update_s: float = 0.0  # one optimizer update (AdamW over the sharded parameters)
     per_token_s: float = 0.0
     sync_s: float = 0.0  # the trainer's side of a weight sync (gather + send), before the engines load
     # a step that starts while the engines generate takes this × longer (they share its processors:
@@ -103,7 +105,7 @@ def validate_sim(cfg: DictConfig) -> None:
         if not OmegaConf.select(s, key) > 0:
             raise ConfigError(f"sim.{key} must be > 0, got {OmegaConf.select(s, key)}")
     for key in ("engine.per_seq_s", "engine.per_ctx_token_s", "engine.prefill_token_s", "engine.stall_s",
-                "trainer.per_token_s", "trainer.sync_s", "trainer.val_s", "responses.grade_s", "pfs.scale", "pfs.noise"):
+                "trainer.per_update_s", "trainer.per_token_s", "trainer.sync_s", "trainer.val_s", "responses.grade_s", "pfs.scale", "pfs.noise"):
         if OmegaConf.select(s, key) < 0:
             raise ConfigError(f"sim.{key} must be >= 0, got {OmegaConf.select(s, key)}")
     longest = s.responses.prompt_tokens + cfg.rollout.max_tokens + 1

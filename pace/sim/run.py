@@ -222,7 +222,7 @@ class Simulation:
         self._slowdown(self.cfg.sim.engine.train_slowdown)
         t = self.cfg.sim.trainer
         tokens = sum(g.prompt_tokens * self.g + g.num_tokens for g in batch.groups)
-        train_s = t.step_s + t.per_token_s * tokens
+        train_s = t.step_s + t.per_update_s * self.cfg.trainer.mini_batches + t.per_token_s * tokens
         if any(e.n for e in self.engines):  # generating alongside: shared processors slow the step
             train_s *= t.colocated_slowdown
         self._push(self.now + train_s, _TRAIN_DONE, (batch, self.now, train_s))

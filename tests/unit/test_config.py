@@ -55,10 +55,11 @@ def test_default_is_the_tiny_async_run() -> None:
 def test_qwen3_8b_presets_carry_the_paper_values() -> None:
     sync, asyn = compose_cfg(["+exp=sync_qwen3_8b"]), compose_cfg(["+exp=async_qwen3_8b"])
     for cfg in (sync, asyn):
-        assert cfg.model.path == "Qwen/Qwen3-8B"
+        assert cfg.model.path == "Qwen/Qwen3-8B-Base"  # the Base model, as the DAPO recipe's Qwen3 runs
         assert cfg.data.source == "math" and cfg.data.path
-        assert cfg.data.group_size == 16  # paper: G = 16
-        assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)  # paper: clip-higher
+        assert cfg.data.group_size == 16  # DAPO recipe: G = 16
+        assert (cfg.algo.eps_low, cfg.algo.eps_high) == (0.2, 0.28)  # DAPO recipe: clip-higher
+        assert cfg.trainer.steps == 300  # paper: the first 300 training steps
         assert cfg.device == "cuda"
     assert (sync.pool.name, asyn.pool.name) == ("sync", "async")
     # The two baselines are the same run except for the pool policy (and the run name).
@@ -174,6 +175,39 @@ def test_the_corrections_and_m2po_variants_validate() -> None:
 
 def test_config_error_is_a_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
+
+
+PAPER_PRESETS = [p for p in PRESETS if "qwen3" in p]
+
+
+def test_paper_presets_were_found() -> None:
+    assert len(PAPER_PRESETS) >= 20 and {"pace_qwen3_8b", "pace_qwen3_30b_a3b", "pace_qwen3_4b_retool"} <= set(PAPER_PRESETS)
+
+
+@pytest.mark.parametrize("preset", PAPER_PRESETS)
+def test_paper_presets_take_one_update_per_version_and_dapo512_its_16(preset: str) -> None:
+    """The paper's step j uses π_θj and produces θ_{j+1}: one optimizer update per version, on a
+    batch of 32 prompts × 16 (a DAPO mini-batch). DAPO's own step (512 prompts, 16 updates per
+    version) only in the presets named for it."""
+    cfg = compose_cfg([f"+exp={preset}"])
+    want = (512, 16) if preset.endswith("_dapo512") else (32, 1)
+    assert (cfg.data.batch_prompts, cfg.trainer.mini_batches) == want
+    assert cfg.rollout.sync_every == 1 and cfg.data.group_size == 16 and cfg.trainer.steps == 300
+    assert cfg.pool.capacity == 16 * cfg.data.batch_prompts  # 16 batches of pooled + in-flight groups
+    # the in-flight cap: whole batches, more groups than fill every engine's slots
+    fill = cfg.rollout.engines * cfg.rollout.max_num_seqs / cfg.data.group_size
+    assert cfg.rollout.max_inflight_groups % cfg.data.batch_prompts == 0 and cfg.rollout.max_inflight_groups > fill
+
+
+@pytest.mark.parametrize("preset", PAPER_PRESETS)
+def test_paper_presets_start_up_to_the_missing_gpu(preset: str) -> None:
+    """What `python train.py +exp=<preset>` does on this CPU machine: validation passes and the run
+    stops at the device check, in one line (test_train_e2e runs one of them as a process)."""
+    import train
+
+    cfg = compose_cfg([f"+exp={preset}"])
+    with pytest.raises(train.UserError, match="no CUDA GPU is available here"):
+        train.run(cfg)
 
 
 def test_paper_presets_evaluate_on_math6_and_tiny_on_arithmetic() -> None:

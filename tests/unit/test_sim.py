@@ -134,6 +134,11 @@ def test_async_and_sync_match_hand_computed_step_times_occupancy_and_staleness()
     assert [r["time/step"] for r in s.rows] == pytest.approx([1.5] * 10)
     assert all(r["pool/occupancy"] == 0 and r["staleness/k_mean"] == 0 for r in s.rows)
     assert s.now == pytest.approx(1.5 * 10 - 0.125)  # the last step's train end (its sync follows)
+    # the same training time made of a step cost and 2 updates of 0.3125 s: the same run, to the float
+    u = Simulation(sim_cfg(*DET, "pool.name=sync", "sim.trainer.step_s=0.25", "sim.trainer.per_update_s=0.3125",
+                           "trainer.mini_batches=2"))
+    u.run()
+    assert [r["time/step"] for r in u.rows] == pytest.approx([1.5] * 10) and u.now == pytest.approx(s.now)
 
 
 def test_capacity_back_pressure_bounds_the_pool():
