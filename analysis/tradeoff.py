@@ -1,6 +1,6 @@
 """The trade-off of a sweep (simulated or real): seconds per step vs consumed staleness vs rejected share.
 
-    python simulate.py -m +exp=pace_qwen3_8b +sim=qwen3_8b_fig8 pace.target_pool=16,32,64 rollout.engines=4,8,12 \
+    python simulate.py -m +exp=pace_qwen3_8b +sim=qwen3_8b_fig8 pace.target_pool=32,64,128 rollout.engines=4,8,12 \
         hydra.sweep.dir=runs/sim_sweep/pace              # and +exp=async_qwen3_8b into runs/sim_sweep/async
     python -m analysis.tradeoff runs/sim_sweep --out reports/sim/sweep
 

@@ -1,8 +1,8 @@
 """The paper-scenario report: what the simulator predicts for the paper presets on their node, and
 which inputs reproduce the paper's Figure 8 (Async 26.19 s, PACE 28.22 s / raw 26.50 s, Sync 97.01 s).
 
-    python scripts/sim_paper.py                       # ~10 min on one core → reports/sim/paper.md + figures
-    python scripts/sim_paper.py --steps 60 --grid-steps 40 --runs /tmp/sp --out /tmp/sp_report   # quicker
+    python scripts/sim_paper.py                       # ~7 min on one core → reports/sim/paper.md + figures
+    python scripts/sim_paper.py --a-steps 60 --grid-steps 40 --runs /tmp/sp --out /tmp/sp_report   # quicker
 
 Part A, the presets as configured (`+exp=<method>_<model> +sim=<model>`, nothing else overridden:
 the run's own validation cadence included): the paper's step (B = 32 prompts × 16, one optimizer
@@ -81,7 +81,6 @@ def simulate(cfg, run_dir: Path | None = None) -> dict:
     """Mean seconds per step by phase (steps ≥ WARMUP) and the consumed groups' staleness
     percentiles; with ``run_dir``, simulate.py's run directory too."""
     rows, consumed = [], []
-    sim = None
 
     def on_step(step: int, metrics: dict, decided: list) -> None:
         rows.append(metrics)
@@ -141,7 +140,7 @@ def _engine_h100():
 def cell_overrides(c: dict) -> list[str]:
     read, kv = HARDWARE[c["gpu"]]
     e = _engine_h100()
-    return [f"data.batch_prompts={c['B']}", f"rollout.max_inflight_groups={2 * c['B']}",  # the presets' 2B in flight
+    return [f"data.batch_prompts={c['B']}", f"rollout.max_inflight_groups={2 * c['B']}",  # 2B in flight (the grid's choice since it was made)
             f"sim.responses.length_scale={c['length_scale']}", f"rollout.engines={c['engines']}",
             f"rollout.max_num_seqs={c['max_num_seqs']}", f"trainer.mini_batches={min(16, c['B'])}",
             f"sim.engine.step_s={e.step_s * read:.6g}", f"sim.engine.per_ctx_token_s={e.per_ctx_token_s * read:.6g}",

@@ -15,7 +15,7 @@ SCENARIO=${SCENARIO:-qwen3_8b_fig8}
 
 rm -rf "$RUNS"  # run directories are appended to: start clean
 common=("+sim=$SCENARIO" "trainer.steps=$STEPS" eval.every=0 logger.progress=false)
-python simulate.py -m +exp=pace_qwen3_8b "${common[@]}" pace.target_pool=16,32,64 rollout.engines=4,8,12 \
+python simulate.py -m +exp=pace_qwen3_8b "${common[@]}" pace.target_pool=32,64,128 rollout.engines=4,8,12 \
   hydra.sweep.dir="$RUNS/pace" 2> >(grep -v "^\[" >&2)
 python simulate.py -m +exp=async_qwen3_8b "${common[@]}" rollout.engines=4,8,12 hydra.sweep.dir="$RUNS/async" \
   2> >(grep -v "^\[" >&2)
