@@ -10,6 +10,7 @@ the logs; every rank trains and takes part in the weight sync.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -45,6 +46,18 @@ def resolve_device(cfg) -> str:
     if cfg.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.device
+
+
+def mixed_precision(device: str, model_dtype: str, launcher: str | None) -> str | None:
+    """Accelerate's mixed precision for this run: on a GPU with a bf16/fp16 model, that precision
+    (fp32 master weights and AdamW state, half-precision forward: pace.algo.trainer) whatever the
+    launcher says — `python train.py` alone, or `accelerate launch` without a mixed-precision
+    setting, would otherwise train the bf16 weights themselves, and AdamW steps of lr 1e-6 round
+    away on them. None: the launcher's setting (``launcher``, ACCELERATE_MIXED_PRECISION) stands."""
+    half = {"bfloat16": "bf16", "float16": "fp16"}.get(model_dtype)
+    if device != "cuda" or half is None or launcher in ("bf16", "fp16", "fp8"):
+        return None
+    return half
 
 
 def resolve_model(cfg, progress: bool) -> str:
@@ -213,7 +226,8 @@ def run(cfg: DictConfig) -> None:
     if device == "cpu":
         torch.set_num_threads(cfg.trainer.cpu_threads)
     # the trainer steps its LR schedule once per optimizer update, whatever the number of processes
-    accelerator = Accelerator(cpu=device == "cpu", step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(cpu=device == "cpu", step_scheduler_with_optimizer=False,
+                              mixed_precision=mixed_precision(device, cfg.model.dtype, os.environ.get("ACCELERATE_MIXED_PRECISION")))
     world = accelerator.num_processes
     check_shares(cfg, world)
     if cfg.rollout.deterministic and engine_lib.engine_mode(cfg.rollout, device, world) != "inproc":

@@ -90,7 +90,7 @@ class RolloutConfig:
     # GPU: separate (engines on GPUs of their own: `gpus`, default the ones after the trainer's)
     # or colocate (the engines share rank 0's GPU with the trainer: a single-GPU run).
     placement: str = "separate"
-    gpus: Optional[list[int]] = None
+    gpus: Optional[list[int]] = None  # indices as this process sees its GPUs (mapped through CUDA_VISIBLE_DEVICES)
     # vLLM weight-transfer backend: auto (shm on CPU; on GPU nccl, or ipc when colocated) | shm
     # (pace/rollout/transfer.py: a /dev/shm file, engines on trainer rank 0's host) | nccl | ipc (vLLM's)
     weight_transfer: str = "auto"
@@ -329,6 +329,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("trainer.mini_batches must be <= data.batch_prompts (mini-batches split groups)")
     if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:
         raise ConfigError("pool.name=sync trains on-policy: it needs rollout.sync_every=1")
+    if cfg.rollout.placement == "colocate" and cfg.rollout.weight_transfer == "nccl":
+        raise ConfigError("rollout.weight_transfer=nccl with rollout.placement=colocate: NCCL cannot pair two processes "
+                          "on one GPU; use rollout.weight_transfer=ipc (or auto)")
+    if cfg.data.enable_thinking is not None and not cfg.data.chat_template:
+        raise ConfigError("data.enable_thinking is passed to the chat template: it needs data.chat_template=true")
     if cfg.pace.target_pool is not None and cfg.pace.target_pool < cfg.data.batch_prompts:
         raise ConfigError("pace.target_pool must be >= data.batch_prompts (the trainer needs B groups)")
     cap = cfg.pool.capacity

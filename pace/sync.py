@@ -20,6 +20,7 @@ a vLLM trainer-side weight-transfer engine. The engines' side is driven by the r
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 
@@ -27,6 +28,7 @@ import torch
 
 from pace.rollout import engine as engine_lib
 from pace.rollout import transfer
+from pace.rollout.errors import RolloutError
 
 
 class WeightSync:
@@ -99,14 +101,23 @@ class BlockingClient:
     steps, and returns when it has (for the NCCL engine, which needs `update_weights` to run
     while the trainer broadcasts)."""
 
+    POLL_S = 1.0  # how often a waiting call checks that the rollout thread is still there
+
     def __init__(self, rollout):
         self.rollout = rollout
         self.version: int | None = None
 
     def _run(self, fn):
-        if not self.rollout.is_alive():  # before the thread starts: the engines are idle, call here
+        if self.rollout.ident is None:  # the thread has not started: the engines are idle, call here
             return fn()
-        return self.rollout.call(fn).result()
+        future = self.rollout.call(fn)
+        while True:  # a thread that died never runs the call: fail within a poll, not never
+            try:
+                return future.result(timeout=self.POLL_S)
+            except concurrent.futures.TimeoutError:
+                if not self.rollout.is_alive():
+                    err = getattr(self.rollout, "error", None)
+                    raise RolloutError(f"rollout thread died with a weight-update call pending: {err!r}") from err
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._run(lambda: self.rollout.init_weight_transfer_engine(init_info))

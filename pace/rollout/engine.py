@@ -27,6 +27,13 @@ def configure_environment(rollout_cfg, device: str) -> None:
     # an engine core in a child process is started fresh (never a fork of a trainer process,
     # whose torch.distributed state vLLM would find and join)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if backend_kind(rollout_cfg, device) == "ipc" and rollout_cfg.engine_process != "inproc":
+        # vLLM's IPC update hands the engine CUDA IPC handles (a rebuild function and its
+        # arguments) as collective_rpc arguments; between processes its msgpack encoder and the
+        # engine's decoder accept them only with pickle allowed (vllm/v1/serial_utils.py), read
+        # when the engine starts (vLLM caches its environment then). Both ends are this run's
+        # own processes on one GPU.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)
@@ -48,12 +55,18 @@ def engine_mode(rollout_cfg, device: str, world_size: int) -> str:
     return mode
 
 
-def transfer_backend(rollout_cfg, device: str) -> str:
-    from pace.rollout import transfer
-
+def backend_kind(rollout_cfg, device: str) -> str:
+    """shm, nccl or ipc for `rollout.weight_transfer` on ``device`` (importable before vLLM)."""
     backend = rollout_cfg.weight_transfer
     if backend == "auto":  # NCCL cannot pair two processes on one GPU: a colocated engine uses CUDA IPC
         backend = "shm" if device == "cpu" else "ipc" if rollout_cfg.placement == "colocate" else "nccl"
+    return backend
+
+
+def transfer_backend(rollout_cfg, device: str) -> str:
+    from pace.rollout import transfer
+
+    backend = backend_kind(rollout_cfg, device)
     return transfer.BACKEND if backend == "shm" else backend
 
 
@@ -67,6 +80,20 @@ def engine_gpus(rollout_cfg, trainer_gpus: int) -> list[list[int]]:
     return [ids[e * tp : (e + 1) * tp] for e in range(n)]
 
 
+def visible_devices(gpus: list[int], parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine on ``gpus``, indices as this process sees its GPUs: under
+    a scheduler's own list (``parent``, e.g. "4,5,6,7" or UUIDs) index i is its i-th entry, so the
+    engine gets the GPU the trainer means by i, not physical GPU i."""
+    if not parent or not parent.strip():
+        return ",".join(map(str, gpus))
+    ids = [d.strip() for d in parent.split(",") if d.strip()]
+    bad = [g for g in gpus if not 0 <= g < len(ids)]
+    if bad:
+        raise ValueError(f"rollout.gpus: GPU index {bad[0]} is not among the {len(ids)} visible ones "
+                         f"(CUDA_VISIBLE_DEVICES={parent})")
+    return ",".join(ids[g] for g in gpus)
+
+
 @contextlib.contextmanager
 def _engine_process_env(mode: str, gpus: list[int] | None):
     """While a child engine process starts: without the launcher's variables, with its GPUs."""
@@ -76,7 +103,7 @@ def _engine_process_env(mode: str, gpus: list[int] | None):
     saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
     if gpus is not None:
         saved["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, saved["CUDA_VISIBLE_DEVICES"])
     try:
         yield
     finally:

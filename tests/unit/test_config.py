@@ -131,6 +131,8 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["pool.capacity=16", "data.batch_prompts=32"], "pool.capacity"),
         (["pool=pace", "pool.capacity=40", "pace.target_pool=64"], "pace.target_pool"),
         (["pool=pace", "pace.target_pool=8", "data.batch_prompts=32"], "pace.target_pool"),
+        (["data.enable_thinking=false"], "data.enable_thinking"),
+        (["rollout.placement=colocate", "rollout.weight_transfer=nccl"], "rollout.weight_transfer=nccl"),
         (["trainer.save_every=-1"], "trainer.save_every"),
         (["trainer.keep_checkpoints=0"], "trainer.keep_checkpoints"),
         (["rollout.max_tool_calls=-1"], "rollout.max_tool_calls"),

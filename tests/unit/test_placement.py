@@ -1,0 +1,35 @@
+"""Engine placement (pace/rollout/engine.py): which GPUs an engine process sees."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from pace.rollout.engine import _engine_process_env, engine_gpus, visible_devices
+
+pytestmark = pytest.mark.unit
+
+
+def test_engine_gpus_are_the_ones_after_the_trainers_or_the_listed_ones():
+    cfg = OmegaConf.create({"engines": 2, "tensor_parallel_size": 2, "gpus": None})
+    assert engine_gpus(cfg, trainer_gpus=4) == [[4, 5], [6, 7]]
+    cfg.gpus = [1, 3, 5, 7]
+    assert engine_gpus(cfg, trainer_gpus=4) == [[1, 3], [5, 7]]
+
+
+def test_indices_map_through_a_schedulers_visible_devices():
+    assert visible_devices([4, 5], None) == "4,5" and visible_devices([4, 5], "") == "4,5"
+    # a job given GPUs 8-15 of a 16-GPU node: index 4 is physical GPU 12, not 4 (the trainer's)
+    assert visible_devices([4, 5], "8,9,10,11,12,13,14,15") == "12,13"
+    assert visible_devices([1], "GPU-aa, GPU-bb") == "GPU-bb"  # UUIDs too
+    with pytest.raises(ValueError, match=r"rollout\.gpus: GPU index 4 .* 4 visible"):
+        visible_devices([4], "0,1,2,3")
+
+
+def test_a_child_engine_starts_with_the_mapped_devices_and_the_parents_come_back(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "8,9,10,11,12,13,14,15")
+    monkeypatch.setenv("RANK", "0")
+    with _engine_process_env("child", [4, 5, 6, 7]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "12,13,14,15" and "RANK" not in os.environ
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15" and os.environ["RANK"] == "0"

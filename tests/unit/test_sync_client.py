@@ -1,0 +1,76 @@
+"""BlockingClient (pace/sync.py): the nccl/ipc weight-update calls run on the rollout thread; a
+thread that dies with a call pending must fail the trainer within seconds, not hang it."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from pace.rollout.errors import RolloutError
+from pace.sync import BlockingClient
+
+pytestmark = pytest.mark.unit
+
+
+class FakeRollout(threading.Thread):
+    """The rollout thread's call protocol (RolloutWorker.call) with a loop that runs the queued
+    calls until ``die`` is set, then exits with ``error`` set, leaving later calls unrun."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.calls: queue.Queue = queue.Queue()
+        self.die = threading.Event()
+        self.error = None
+
+    def call(self, fn):
+        future = Future()
+        self.calls.put((fn, future))
+        return future
+
+    def run(self):
+        while not self.die.is_set():
+            try:
+                fn, future = self.calls.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            future.set_result(fn())
+        self.error = RuntimeError("engine core died")
+
+
+def test_calls_run_on_the_thread_and_before_it_starts_on_the_caller(monkeypatch):
+    monkeypatch.setattr(BlockingClient, "POLL_S", 0.05)
+    rollout = FakeRollout()
+    client = BlockingClient(rollout)
+    assert client._run(threading.get_ident) == threading.get_ident()  # not started: here
+    rollout.start()
+    assert client._run(threading.get_ident) == rollout.ident  # on the rollout thread
+    rollout.die.set()
+    rollout.join(5)
+
+
+def test_a_dead_rollout_thread_fails_a_pending_call_within_seconds(monkeypatch):
+    monkeypatch.setattr(BlockingClient, "POLL_S", 0.05)
+    rollout = FakeRollout()
+    rollout.start()
+    rollout.die.set()
+    rollout.join(5)
+    assert not rollout.is_alive()
+    client = BlockingClient(rollout)
+    outcome = {}
+
+    def wait():
+        t = time.monotonic()
+        try:
+            client._run(lambda: None)  # the call is queued on a thread that will never run it
+        except RolloutError as exc:
+            outcome["error"] = exc
+        outcome["s"] = time.monotonic() - t
+
+    caller = threading.Thread(target=wait, daemon=True)
+    caller.start()
+    caller.join(10)  # before the fix: it waited forever on the future
+    assert not caller.is_alive(), "BlockingClient still waiting on a dead rollout thread"
+    assert "engine core died" in str(outcome["error"]) and outcome["s"] < 2
