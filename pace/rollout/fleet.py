@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 class EngineFleet:
@@ -91,10 +92,34 @@ class EngineFleet:
 
     # --- weights ----------------------------------------------------------------------------
     def collective_rpc(self, method: str, kwargs: dict | None = None) -> list:
-        return [r for llm in self.llms for r in llm.collective_rpc(method, kwargs=kwargs)]
+        return self._each(method, [kwargs] * len(self.llms))
+
+    def _each(self, method: str, kwargs: list) -> list:
+        """``method`` on every engine's workers, engine e with ``kwargs[e]``; the workers' results in
+        engine order. Out-of-process engines are called at once, each from a thread of its own:
+        a call that is a collective over the engines' workers and the trainer (NCCL's rendezvous
+        and broadcast) returns on none of them until it runs on all of them."""
+        call = lambda i: self.llms[i].collective_rpc(method, kwargs=kwargs[i])  # noqa: E731
+        if len(self.llms) == 1 or not all(self.child):  # in-process engines run here, one at a time
+            return [r for i in range(len(self.llms)) for r in call(i)]
+        with ThreadPoolExecutor(max_workers=len(self.llms), thread_name_prefix="pace-rpc") as pool:
+            futures = [pool.submit(call, i) for i in range(len(self.llms))]
+            return [r for f in futures for r in f.result()]
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.collective_rpc("init_weight_transfer_engine", {"init_info": init_info})
+        """Every engine joins the weight-transfer group. vLLM ranks a worker within it by
+        `rank_offset` + its engine's data-parallel index × the engine's workers + its own rank;
+        these engines are separate `LLM`s, each with data-parallel index 0, so engine e's workers
+        are given the offset after the workers of engines 0 … e − 1 (otherwise they all claim
+        the trainer's `rank_offset`, and the rendezvous never completes)."""
+        infos, offset = [], init_info.get("rank_offset")
+        for e in self.engines:
+            info = dict(init_info)
+            if offset is not None:  # NCCL-style group (the shm backend has no ranks)
+                info["rank_offset"] = offset
+                offset += e.vllm_config.parallel_config.world_size  # TP × PP workers
+            infos.append({"init_info": info})
+        self._each("init_weight_transfer_engine", infos)
 
     def update(self, version: int | None, update_info: dict) -> float:
         """Load one weight update into every engine; its tokens from here on are labelled

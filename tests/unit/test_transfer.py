@@ -83,3 +83,45 @@ def test_fleet_keeps_a_group_on_one_engine_and_balances_groups():
     assert "g0-0-1" in engines[owner].added
     fleet.abort_request(["g1-0", "g0-0-1", "unknown"])
     assert sorted(engines[0].aborted + engines[1].aborted) == ["g0-0-1", "g1-0"]
+
+
+class _WorkerGroup:
+    """An out-of-process engine's workers for the fleet's weight RPCs: each call that is a
+    collective (init, update) waits at a barrier all engines' calls must reach, as NCCL's
+    rendezvous and broadcast do; a sequential fleet breaks the barrier (BrokenBarrierError)."""
+
+    def __init__(self, tp: int, barrier):
+        import queue
+
+        self.barrier, self.calls = barrier, []
+        self.llm_engine = _Engine()
+        self.llm_engine.vllm_config.parallel_config = SimpleNamespace(world_size=tp)
+        self.llm_engine.engine_core = SimpleNamespace(outputs_queue=queue.Queue())  # a child engine's client
+
+    def collective_rpc(self, method, kwargs=None):
+        self.calls.append((method, kwargs))
+        if method in ("init_weight_transfer_engine", "update_weights"):
+            self.barrier.wait()
+        return [method] * self.llm_engine.vllm_config.parallel_config.world_size
+
+
+def test_fleet_gives_each_engine_its_own_ranks_and_calls_the_engines_at_once():
+    import threading
+
+    from pace.rollout.fleet import EngineFleet
+
+    barrier = threading.Barrier(3, timeout=5)
+    groups = [_WorkerGroup(2, barrier) for _ in range(3)]  # 3 engines × TP 2 after the trainer's rank 0
+    fleet = EngineFleet(groups)
+    fleet.init_weight_transfer_engine({"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 7})
+    offsets = [g.calls[0][1]["init_info"]["rank_offset"] for g in groups]
+    assert offsets == [1, 3, 5]  # engine e's workers at 1 + 2e, 2 + 2e: ranks 1..6, none shared
+    assert all(g.calls[0][1]["init_info"]["world_size"] == 7 for g in groups)
+    fleet.load({"names": ["w"]})  # the broadcast: every engine inside update_weights at once
+    assert all(g.calls[-1] == ("update_weights", {"update_info": {"names": ["w"]}}) for g in groups)
+    assert fleet.collective_rpc("finish_weight_update") == ["finish_weight_update"] * 6  # per worker, engine order
+
+    two = threading.Barrier(2, timeout=5)
+    shm = EngineFleet([_WorkerGroup(1, two) for _ in range(2)])
+    shm.init_weight_transfer_engine({"directory": "/dev/shm"})  # no ranks: the same info to each
+    assert [g.calls[0][1]["init_info"] for g in shm.llms] == [{"directory": "/dev/shm"}] * 2
