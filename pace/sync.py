@@ -75,8 +75,11 @@ class WeightSync:
                 return None
             with self._written[1]["lock"]:
                 return transfer.read_slot(self._written[1]["info"])
-        out = [(name, t.to("cpu", copy=True)) for name, t in self.engine.source]  # collective per parameter
-        return out if self.acc.is_main_process else None
+        main, out = self.acc.is_main_process, []
+        for name, t in self.engine.source:  # every rank iterates: each parameter is a collective
+            if main:  # only rank 0 keeps a host copy (16 GB for an 8B model)
+                out.append((name, t.to("cpu", copy=True)))
+        return out if main else None
 
     def publish(self, version: int) -> None:
         """The engines load θ_version. shm: rank 0 posts the slot to the rollout thread and goes

@@ -74,3 +74,34 @@ def test_a_dead_rollout_thread_fails_a_pending_call_within_seconds(monkeypatch):
     caller.join(10)  # before the fix: it waited forever on the future
     assert not caller.is_alive(), "BlockingClient still waiting on a dead rollout thread"
     assert "engine core died" in str(outcome["error"]) and outcome["s"] < 2
+
+
+class _Tensor:
+    copies = 0
+
+    def to(self, *args, **kwargs):
+        _Tensor.copies += 1
+        return self
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_streamed_weights_are_copied_to_host_on_rank_0_only(main):
+    """WeightSync.weights on the nccl/ipc path (a checkpoint's θ): every rank walks the source (its
+    all-gathers are collectives), only rank 0 keeps host copies."""
+    from types import SimpleNamespace
+
+    from pace.sync import WeightSync
+
+    walked = []
+
+    def source():
+        for i in range(3):
+            walked.append(i)
+            yield f"p{i}", _Tensor()
+
+    _Tensor.copies = 0
+    sync = SimpleNamespace(backend="nccl", acc=SimpleNamespace(is_main_process=main),
+                           engine=SimpleNamespace(source=source()))
+    out = WeightSync.weights(sync, version=3)
+    assert walked == [0, 1, 2]
+    assert (len(out), _Tensor.copies) == (3, 3) if main else (out, _Tensor.copies) == (None, 0)
