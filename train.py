@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import hydra
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pace import checkpoint as ckpt
 from pace.config import ConfigError, register, validate
+from pace.control import Control
 from pace.memory import release_free_heap, rss_mib
 from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.records import Fate
@@ -182,17 +184,6 @@ class StopSignal:
         return self.signum is not None
 
 
-def rank0_decides(accelerator, flag: bool) -> bool:
-    """Rank 0's value of ``flag`` on every rank (stop or go, taken together)."""
-    if accelerator.num_processes == 1:
-        return flag
-    from accelerate.utils import broadcast_object_list
-
-    box = [flag]
-    broadcast_object_list(box, from_process=0)
-    return box[0]
-
-
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     try:
@@ -226,8 +217,12 @@ def run(cfg: DictConfig) -> None:
     if device == "cpu":
         torch.set_num_threads(cfg.trainer.cpu_threads)
     # the trainer steps its LR schedule once per optimizer update, whatever the number of processes
-    accelerator = Accelerator(cpu=device == "cpu", step_scheduler_with_optimizer=False,
+    from accelerate.utils import InitProcessGroupKwargs
+
+    pg = [] if cfg.trainer.dist_timeout_s is None else [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.trainer.dist_timeout_s))]
+    accelerator = Accelerator(cpu=device == "cpu", step_scheduler_with_optimizer=False, kwargs_handlers=pg,
                               mixed_precision=mixed_precision(device, cfg.model.dtype, os.environ.get("ACCELERATE_MIXED_PRECISION")))
+    control = Control(accelerator, cfg.trainer.control_timeout_s)  # waits on rank 0's long work
     world = accelerator.num_processes
     check_shares(cfg, world)
     if cfg.rollout.deterministic and engine_lib.engine_mode(cfg.rollout, device, world) != "inproc":
@@ -241,7 +236,7 @@ def run(cfg: DictConfig) -> None:
         run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     progress = cfg.logger.progress and main_rank
 
-    with accelerator.main_process_first():  # rank 0 builds the tiny model once; the others reuse it
+    with control.main_first():  # rank 0 builds the tiny model (or downloads the hub model) once; the others reuse it
         model_path = resolve_model(cfg, progress)
     val_sets = None
     if main_rank:  # bad data fails here, before the trainer and the engine are built
@@ -257,6 +252,7 @@ def run(cfg: DictConfig) -> None:
     trainer = DAPOTrainer(model_path, cfg, accelerator)
     config = OmegaConf.to_container(cfg, resolve=True)
     checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints, model_path)
+    checkpointer.barrier = control.barrier  # rank 0 writes the pool and θ's model directory meanwhile
 
     rollout = pool = logger = llm = grader = best = validations = parts = sync = None
     if main_rank:
@@ -319,7 +315,7 @@ def run(cfg: DictConfig) -> None:
                     batch = wait_for_batch(pool, rollout, step, stop)
                 except RolloutError as exc:  # the rollout (or grading) died: stop together, checkpoint
                     failure = exc
-            if rank0_decides(accelerator, batch is None if main_rank else False):
+            if control.decide(batch is None if main_rank else False):
                 break
             t_wait = time.perf_counter() - t_step
 
@@ -353,7 +349,7 @@ def run(cfg: DictConfig) -> None:
                     wait=f"{t_wait:.1f}s",
                 )
             mismatch = guard.check(step, metrics) if main_rank else None
-            if rank0_decides(accelerator, mismatch is not None):
+            if control.decide(mismatch is not None):
                 failure = mismatch or SyncMismatch("stopped with rank 0 (on-policy mismatch)")
                 break
             if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0 and trainer.version < cfg.trainer.steps:

