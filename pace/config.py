@@ -281,7 +281,7 @@ _CHOICES = {
     "rollout.cpu_threads_bind": ("nobind", "auto"),
     "rollout.engine_process": ("auto", "inproc", "child"),
     "rollout.placement": ("separate", "colocate"),
-    "rollout.weight_transfer": ("auto", "shm", "nccl", "ipc"),
+    "rollout.weight_transfer": ("auto", "shm", "nccl", "ipc", "gloo"),
     "trainer.grad_sync": ("auto", "every", "last"),
     "trainer.master_dtype": ("float32", "bfloat16"),
     "trainer.reduce_dtype": ("float32", "bfloat16"),

@@ -48,6 +48,14 @@ class WeightSync:
             info = NCCLTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port, world_size=1 + workers)
             self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
                 info, client=None if rollout is None else BlockingClient(rollout), source=source)
+        elif self.backend == "gloo":  # the NCCL protocol over TCP (pace/rollout/gloo.py): CPU engines in child processes
+            from pace.rollout.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+
+            workers = cfg.rollout.engines * cfg.rollout.tensor_parallel_size
+            info = GlooTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=_free_port() if rank == 0 else 0,
+                                       world_size=1 + workers)
+            self.engine = GlooTrainerWeightTransferEngine.trainer_init(
+                info, client=None if rollout is None else BlockingClient(rollout), source=source)
         elif self.backend == "ipc":  # colocated: the engine maps the trainer's CUDA tensors (no copy)
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 

@@ -11,6 +11,8 @@ issued by the rollout thread, which owns the engines (pace/rollout/fleet.py).
 Backends, chosen by `rollout.weight_transfer`:
 - ``nccl`` (vLLM's, GPU): trainer rank 0 broadcasts each parameter to every engine worker; every
   trainer rank takes part in the FSDP all-gather of each parameter (`full_tensor()`).
+- ``gloo`` (pace/rollout/gloo.py, both sides): the NCCL protocol over TCP — CPU engines in other
+  processes, and the path the multi-engine rendezvous is tested through on CPU.
 - ``shm`` (this module, registered with both factories): trainer rank 0 writes every parameter,
   cast to the engine dtype, into a file in /dev/shm (two alternating slots), and each worker
   maps the file and loads views of it. No pickling, no second host copy, no fp32 upcast. It is
@@ -293,7 +295,7 @@ def _clean(name: str) -> str:
 
 # The worker-side engine of each backend: vLLM's nccl and ipc engines and this module's shm engine,
 # each with pace/rollout/reload.py's checks (exact tied heads, no layer left without weights).
-ENGINE_BACKENDS = {BACKEND: BACKEND, "nccl": "pace_nccl", "ipc": "pace_ipc"}
+ENGINE_BACKENDS = {BACKEND: BACKEND, "nccl": "pace_nccl", "ipc": "pace_ipc", "gloo": "pace_gloo"}
 
 
 def engine_backend(backend: str) -> str:
@@ -310,15 +312,19 @@ def register() -> None:
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
+    from pace.rollout import gloo
     from pace.rollout.reload import LAYERWISE_LOGGER, checked, decided_here
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, CheckedShmWeightTransferEngine)
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, ShmTrainerWeightTransferEngine)
-    for name, engine in (("pace_nccl", NCCLWeightTransferEngine), ("pace_ipc", IPCWeightTransferEngine)):
+    for name, engine in (("pace_nccl", NCCLWeightTransferEngine), ("pace_ipc", IPCWeightTransferEngine),
+                         (gloo.BACKEND, gloo.GlooWeightTransferEngine)):
         if name not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(name, checked(engine))
+    if gloo.BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(gloo.BACKEND, gloo.GlooTrainerWeightTransferEngine)
     layerwise = logging.getLogger(LAYERWISE_LOGGER)
     if decided_here not in layerwise.filters:
         layerwise.addFilter(decided_here)

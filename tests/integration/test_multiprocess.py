@@ -146,3 +146,24 @@ def test_other_ranks_outwait_rank_0s_slow_start_beyond_the_collective_timeout(ti
     assert "injected: first batch held 20 s" in proc.stderr  # the fault ran (on rank 0)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["status"] == "finished" and summary["steps"] == 2
+
+
+@pytest.mark.parametrize("processes, engines", [(1, 3), (2, 2)])
+def test_several_child_engines_take_weights_over_gloo_and_stay_on_policy(tiny_model_path, tmp_path, processes, engines):
+    """The NCCL protocol over TCP (rollout.weight_transfer=gloo): trainer rank 0 and every engine
+    worker in one group, each engine's workers at their own ranks, every engine called at once.
+    A sync run's tokens are all on-policy, so its mismatch says every engine computes with the
+    trainer's weights after each sync. With the engines' ranks equal, or called one after another,
+    the rendezvous never completes (the run hangs: this test's timeout)."""
+    launcher = [*torchrun(processes)] if processes > 1 else [sys.executable]
+    cmd = [*launcher, str(ROOT / "train.py"), "+exp=sync_tiny", "trainer.steps=3", f"rollout.engines={engines}",
+           "rollout.engine_process=child", "rollout.weight_transfer=gloo", "eval.every=0", "logger.mode=disabled",
+           "logger.progress=false", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["processes"], summary["engine_process"], summary["status"]) == (processes, "child", "finished")
+    assert summary["rollout"]["syncs"] == 3
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    mismatch = [m["mismatch/abs_logp_diff"] for m in metrics if "mismatch/abs_logp_diff" in m]
+    assert len(mismatch) == 3 and max(mismatch) < 5e-6, mismatch  # float32 rounding: ~4e-7 measured
