@@ -56,10 +56,14 @@ def mixed_precision(device: str, model_dtype: str, launcher: str | None) -> str 
     launcher says — `python train.py` alone, or `accelerate launch` without a mixed-precision
     setting, would otherwise train the bf16 weights themselves, and AdamW steps of lr 1e-6 round
     away on them. None: the launcher's setting (``launcher``, ACCELERATE_MIXED_PRECISION) stands."""
-    half = {"bfloat16": "bf16", "float16": "fp16"}.get(model_dtype)
-    if device != "cuda" or half is None or launcher in ("bf16", "fp16", "fp8"):
+    if device != "cuda":
         return None
-    return half
+    if model_dtype == "float16":  # fp16 needs a loss scaler, whose state a skipped (non-finite) update breaks
+        raise UserError("model.dtype=float16 on a GPU: use bfloat16 (fp16 training needs loss scaling, "
+                        "which the trainer's skipped non-finite updates do not support)")
+    if model_dtype != "bfloat16" or launcher in ("bf16", "fp16", "fp8"):
+        return None
+    return "bf16"
 
 
 def resolve_model(cfg, progress: bool) -> str:
@@ -287,6 +291,7 @@ def run(cfg: DictConfig) -> None:
         print(f"run directory: {run_dir}", file=sys.stderr)
     from pace.sync import WeightSync
 
+    control.barrier()  # rank 0 built the engines meanwhile: the others wait here, not in a collective below
     sync = WeightSync(cfg, trainer, rollout, device)  # every rank: the trainer side of vLLM weight transfer
     checkpointer.weights = sync.weights  # a checkpoint keeps θ_version as a model directory
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 
 class EngineFleet:
@@ -102,9 +102,18 @@ class EngineFleet:
         call = lambda i: self.llms[i].collective_rpc(method, kwargs=kwargs[i])  # noqa: E731
         if len(self.llms) == 1 or not all(self.child):  # in-process engines run here, one at a time
             return [r for i in range(len(self.llms)) for r in call(i)]
-        with ThreadPoolExecutor(max_workers=len(self.llms), thread_name_prefix="pace-rpc") as pool:
-            futures = [pool.submit(call, i) for i in range(len(self.llms))]
+        pool = ThreadPoolExecutor(max_workers=len(self.llms), thread_name_prefix="pace-rpc")
+        futures = [pool.submit(call, i) for i in range(len(self.llms))]
+        try:
+            # an engine that fails leaves the others waiting for it in the collective: raise its
+            # error at once instead of waiting for them (they are not joined)
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f in done and f.exception() is not None:
+                    raise f.exception()
             return [r for f in futures for r in f.result()]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         """Every engine joins the weight-transfer group. vLLM ranks a worker within it by

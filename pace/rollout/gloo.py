@@ -1,4 +1,4 @@
-"""The ``gloo`` weight-transfer backend: vLLM's NCCL protocol over TCP, for CPUs and across hosts.
+"""The ``gloo`` weight-transfer backend: vLLM's NCCL protocol over TCP (CPU engines in other processes).
 
 Trainer rank 0 and every engine worker form one process group (gloo, over a TCPStore that rank 0
 serves at `master_address:master_port`); rank 0 broadcasts each parameter in the engine dtype and
@@ -89,10 +89,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, info: GlooUpdateInfo) -> None:
-        for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
-            weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
-            _broadcast(self.group, weight)
-            self.model.load_weights([(name, weight.to(self.device))])
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():  # as vLLM's NCCL engine: a draft head may come separately
+            for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
+                weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
+                _broadcast(self.group, weight)
+                self.model.load_weights([(name, weight.to(self.device))])
 
     def shutdown(self) -> None:
         self.group = self._store = None
@@ -148,10 +151,18 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         exe = ThreadPoolExecutor(max_workers=1)
         try:  # the engines receive inside update_weights while rank 0 broadcasts
             future = exe.submit(self.client.update_weights, asdict(info))
-            for (name, tensor), m in zip(self.source, meta):
-                if name != m.name or tensor.dtype != m.dtype or list(tensor.shape) != list(m.shape):
-                    raise ValueError(f"gloo weight transfer: {name!r} differs from the metadata sent ({m.name!r})")
+            if future.done():  # refused before any broadcast: say so, rather than wait for peers
+                future.result()
+            sent = 0
+            for name, tensor in self.source:  # the workers expect exactly `meta`, in order
+                m = meta[sent] if sent < len(meta) else None
+                if m is None or name != m.name or tensor.dtype != m.dtype or list(tensor.shape) != list(m.shape):
+                    raise ValueError(f"gloo weight transfer: parameter {sent} {name!r} differs from the metadata sent "
+                                     f"({m.name if m else 'none left'!r})")
                 _broadcast(self.group, tensor.detach().to("cpu").contiguous())
+                sent += 1
+            if sent != len(meta):
+                raise ValueError(f"gloo weight transfer: the source yielded {sent} of the {len(meta)} parameters sent")
             future.result()
         finally:
             exe.shutdown(wait=False)  # a failed broadcast leaves the workers waiting: do not join them

@@ -159,8 +159,18 @@ def test_several_child_engines_take_weights_over_gloo_and_stay_on_policy(tiny_mo
     cmd = [*launcher, str(ROOT / "train.py"), "+exp=sync_tiny", "trainer.steps=3", f"rollout.engines={engines}",
            "rollout.engine_process=child", "rollout.weight_transfer=gloo", "eval.every=0", "logger.mode=disabled",
            "logger.progress=false", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    import os
+    import signal
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: a hang is killed whole, engines too
+    try:
+        _, err = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the run hung (a rendezvous or broadcast that never completes)")
+    assert proc.returncode == 0, err[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["processes"], summary["engine_process"], summary["status"]) == (processes, "child", "finished")
     assert summary["rollout"]["syncs"] == 3

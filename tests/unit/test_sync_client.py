@@ -23,6 +23,7 @@ class FakeRollout(threading.Thread):
         super().__init__(daemon=True)
         self.calls: queue.Queue = queue.Queue()
         self.die = threading.Event()
+        self.hold = threading.Event()  # set: queued calls wait (the thread is busy elsewhere)
         self.error = None
 
     def call(self, fn):
@@ -32,6 +33,9 @@ class FakeRollout(threading.Thread):
 
     def run(self):
         while not self.die.is_set():
+            if self.hold.is_set():
+                time.sleep(0.01)
+                continue
             try:
                 fn, future = self.calls.get(timeout=0.01)
             except queue.Empty:
@@ -51,13 +55,11 @@ def test_calls_run_on_the_thread_and_before_it_starts_on_the_caller(monkeypatch)
     rollout.join(5)
 
 
-def test_a_dead_rollout_thread_fails_a_pending_call_within_seconds(monkeypatch):
+def test_a_rollout_thread_that_dies_with_a_call_queued_fails_it_within_seconds(monkeypatch):
     monkeypatch.setattr(BlockingClient, "POLL_S", 0.05)
     rollout = FakeRollout()
+    rollout.hold.set()  # alive, but not running calls: the call below is queued and waits
     rollout.start()
-    rollout.die.set()
-    rollout.join(5)
-    assert not rollout.is_alive()
     client = BlockingClient(rollout)
     outcome = {}
 
@@ -71,9 +73,13 @@ def test_a_dead_rollout_thread_fails_a_pending_call_within_seconds(monkeypatch):
 
     caller = threading.Thread(target=wait, daemon=True)
     caller.start()
+    time.sleep(0.3)
+    assert caller.is_alive() and not rollout.calls.empty()  # queued on a live thread
+    rollout.die.set()  # the thread dies with the call never run
+    rollout.join(5)
     caller.join(10)  # before the fix: it waited forever on the future
     assert not caller.is_alive(), "BlockingClient still waiting on a dead rollout thread"
-    assert "engine core died" in str(outcome["error"]) and outcome["s"] < 2
+    assert "engine core died" in str(outcome["error"]) and outcome["s"] < 3
 
 
 class _Tensor:

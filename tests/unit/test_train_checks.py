@@ -30,7 +30,6 @@ def test_every_rank_gets_a_share_of_every_mini_batch(b, n_mini, g, world, ok):
 @pytest.mark.parametrize("device, dtype, launcher, want", [
     ("cuda", "bfloat16", None, "bf16"),    # `python train.py +exp=<GPU preset>`: no launcher setting
     ("cuda", "bfloat16", "no", "bf16"),    # `accelerate launch` without mixed precision
-    ("cuda", "float16", None, "fp16"),
     ("cuda", "bfloat16", "bf16", None),    # conf/accelerate/fsdp.yaml says bf16: it stands
     ("cuda", "float32", None, None),       # a float32 model trains in float32
     ("cpu", "float32", None, None),        # the CPU runs
@@ -40,3 +39,11 @@ def test_a_bf16_model_on_a_gpu_always_trains_with_fp32_master_weights(device, dt
     from train import mixed_precision
 
     assert mixed_precision(device, dtype, launcher) == want
+
+
+def test_an_fp16_model_on_a_gpu_is_refused_in_one_line():
+    from train import UserError, mixed_precision
+
+    with pytest.raises(UserError, match="model.dtype=float16 on a GPU: use bfloat16"):
+        mixed_precision("cuda", "float16", None)
+    assert mixed_precision("cpu", "float16", None) is None

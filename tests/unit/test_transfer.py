@@ -125,3 +125,24 @@ def test_fleet_gives_each_engine_its_own_ranks_and_calls_the_engines_at_once():
     shm = EngineFleet([_WorkerGroup(1, two) for _ in range(2)])
     shm.init_weight_transfer_engine({"directory": "/dev/shm"})  # no ranks: the same info to each
     assert [g.calls[0][1]["init_info"] for g in shm.llms] == [{"directory": "/dev/shm"}] * 2
+
+
+def test_an_engine_that_fails_its_call_raises_at_once_while_the_others_wait_in_the_collective():
+    import threading
+    import time
+
+    from pace.rollout.fleet import EngineFleet
+
+    barrier = threading.Barrier(2, timeout=5)
+    groups = [_WorkerGroup(1, barrier), _WorkerGroup(1, barrier)]
+
+    def dead(method, kwargs=None):
+        raise RuntimeError("engine 1 died")
+
+    groups[1].collective_rpc = dead  # engine 0 waits at the barrier for a peer that never comes
+    fleet = EngineFleet(groups)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="engine 1 died"):
+        fleet.load({"names": ["w"]})
+    assert time.monotonic() - t < 2  # not after engine 0's wait (5 s here, the collective's timeout on GPUs)
+    barrier.abort()  # release engine 0's thread
