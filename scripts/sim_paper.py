@@ -7,7 +7,7 @@ which inputs reproduce the paper's Figure 8 (Async 26.19 s, PACE 28.22 s / raw 2
 Part A, the presets as configured (`+exp=<method>_<model> +sim=<model>`, nothing else overridden:
 the run's own validation cadence included): the paper's step (B = 32 prompts × 16, one optimizer
 update per version) for Qwen3-8B, 4B and 30B-A3B on the presets' node (4 rollout + 4 trainer
-H200s), beside DAPO's 512-prompt step (`*_qwen3_8b_dapo512`, 16 updates per version) and two
+H200s; the 30B-A3B: 2 rollout + 6 trainer), beside DAPO's 512-prompt step (`*_qwen3_8b_dapo512`, 16 updates per version) and two
 variants of the node (the 8B on H100s; the 4B on 6 rollout + 2 trainer GPUs). Sync, Async, PACE
 raw and PACE; each writes a run directory (runs/sim_paper/<row>/<method>) and `analysis.build`
 draws its figures (Figure 8: wall time per step by phase; Figures 6/7: retained vs rejected,
@@ -20,7 +20,8 @@ ratios. The closest cell in which PACE rejects is run again with run directories
 values are conf/sim/qwen3_8b_fig8.yaml).
 
 Every value the scenarios use is in conf/sim/<model>.yaml with its source (roofline estimates, not
-measurements); a layout scales the trainer's per-step, per-update and per-token seconds by 4 / its GPUs.
+measurements); a layout scales the trainer's per-step, per-update and per-token seconds by the
+scenario's trainer GPUs (4; the 30B-A3B's 6) / its own.
 """
 from __future__ import annotations
 
@@ -54,14 +55,15 @@ PAPER = {"sync": 97.01, "async": 26.19, "pace_raw": 26.50, "pace": 28.22}  # Fig
 METHODS = {"sync": ("sync", []), "async": ("async", []), "pace_raw": ("pace", ["pace.score=raw"]), "pace": ("pace", [])}
 NAMES = {"sync": "Sync", "async": "Async", "pace_raw": "PACE (raw)", "pace": "PACE"}
 # Part A's rows: (label, preset suffix, scenario, node, trainer GPUs, overrides). The presets' own
-# node first (4 rollout + 4 trainer H200s; the MoE's engines are tensor-parallel pairs), then DAPO's
-# step on it, then two variants of the node.
+# node first (4 rollout + 4 trainer H200s; the MoE: one engine of TP 2 + 6 trainer GPUs), then DAPO's
+# step on it, then two variants of the node. The scenario's trainer runs on SCENARIO_GPUS of them.
 ROWS = [("qwen3_8b", "qwen3_8b", "qwen3_8b", "4+4 H200", 4, []),
         ("qwen3_4b", "qwen3_4b", "qwen3_4b", "4+4 H200", 4, []),
-        ("qwen3_30b_a3b", "qwen3_30b_a3b", "qwen3_30b_a3b", "(2×TP2)+4 H200", 4, []),
+        ("qwen3_30b_a3b", "qwen3_30b_a3b", "qwen3_30b_a3b", "(1×TP2)+6 H200", 6, []),
         ("qwen3_8b_dapo512", "qwen3_8b_dapo512", "qwen3_8b", "4+4 H200", 4, []),
         ("qwen3_8b_h100", "qwen3_8b", "qwen3_8b_h100", "4+4 H100", 4, []),
         ("qwen3_4b_6-2", "qwen3_4b", "qwen3_4b", "6+2 H200", 2, ["rollout.engines=6"])]
+SCENARIO_GPUS = {"qwen3_30b_a3b": 6}  # trainer GPUs a scenario's trainer costs are for (others: 4)
 WARMUP = 5
 
 
@@ -70,8 +72,9 @@ def config(preset: str, scenario: str, method: str, steps: int, trainer_gpus: in
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("simulate", overrides=[f"+exp={pool}_{preset}", f"+sim={scenario}", f"trainer.steps={steps}",
                                              "logger.mode=disabled", *extra, *overrides])
-    t = cfg.sim.trainer  # the scenario's trainer is 4 GPUs: FSDP shards the optimizer and the tokens over them
-    t.step_s, t.per_update_s, t.per_token_s = (x * 4 / trainer_gpus for x in (t.step_s, t.per_update_s, t.per_token_s))
+    t = cfg.sim.trainer  # FSDP shards the optimizer and the tokens over the trainer GPUs
+    scale = SCENARIO_GPUS.get(scenario, 4) / trainer_gpus
+    t.step_s, t.per_update_s, t.per_token_s = (x * scale for x in (t.step_s, t.per_update_s, t.per_token_s))
     cfg.exp_name = f"{method}_{preset}"
     validate_sim(cfg)
     return cfg
