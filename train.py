@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pace import checkpoint as ckpt
+from pace.algo.precision import mixed_precision
 from pace.config import ConfigError, register, validate
 from pace.control import Control
 from pace.memory import release_free_heap, rss_mib
@@ -48,22 +49,6 @@ def resolve_device(cfg) -> str:
     if cfg.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.device
-
-
-def mixed_precision(device: str, model_dtype: str, launcher: str | None) -> str | None:
-    """Accelerate's mixed precision for this run: on a GPU with a bf16/fp16 model, that precision
-    (fp32 master weights and AdamW state, half-precision forward: pace.algo.trainer) whatever the
-    launcher says — `python train.py` alone, or `accelerate launch` without a mixed-precision
-    setting, would otherwise train the bf16 weights themselves, and AdamW steps of lr 1e-6 round
-    away on them. None: the launcher's setting (``launcher``, ACCELERATE_MIXED_PRECISION) stands."""
-    if device != "cuda":
-        return None
-    if model_dtype == "float16":  # fp16 needs a loss scaler, whose state a skipped (non-finite) update breaks
-        raise UserError("model.dtype=float16 on a GPU: use bfloat16 (fp16 training needs loss scaling, "
-                        "which the trainer's skipped non-finite updates do not support)")
-    if model_dtype != "bfloat16" or launcher in ("bf16", "fp16", "fp8"):
-        return None
-    return "bf16"
 
 
 def resolve_model(cfg, progress: bool) -> str:
@@ -292,7 +277,7 @@ def run(cfg: DictConfig) -> None:
     from pace.sync import WeightSync
 
     control.barrier()  # rank 0 built the engines meanwhile: the others wait here, not in a collective below
-    sync = WeightSync(cfg, trainer, rollout, device)  # every rank: the trainer side of vLLM weight transfer
+    sync = WeightSync(cfg, trainer, rollout, device, barrier=control.barrier)  # every rank: the trainer side of vLLM weight transfer
     checkpointer.weights = sync.weights  # a checkpoint keeps θ_version as a model directory
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)

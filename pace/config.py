@@ -2,19 +2,23 @@
 
 `conf/config.yaml` starts from the `pace_schema` node, so an unknown key or a value of the wrong
 type fails at composition naming the key. Value constraints that types cannot express are checked
-by `validate`, once, at start. Derived values are computed here and nowhere else.
+by `validate`, once, at start. Derived values are computed here and nowhere else. The schema itself
+needs neither Hydra nor OmegaConf (scripts/gpu_smoke.py builds a `Config` where only torch,
+transformers and accelerate are installed).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING
 
 from pace.tasks.arithmetic import ArithmeticSpec
 from pace.tasks.tool_arithmetic import ToolArithmeticSpec
 from pace.tiny_spec import TinySpec
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 class ConfigError(ValueError):
@@ -259,6 +263,8 @@ class Config:
 
 
 def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
     ConfigStore.instance().store(name="pace_schema", node=Config)
 
 
@@ -298,6 +304,8 @@ _POSITIVE = (
 
 def validate(cfg: DictConfig) -> None:
     """Constraints that types cannot express. Raises ConfigError naming the key(s)."""
+    from omegaconf import OmegaConf
+
     _check_schema(cfg)
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
@@ -401,6 +409,7 @@ def _check_algo(algo) -> None:
 
 def _check_schema(cfg: DictConfig) -> None:
     """Re-merge onto the schema: catches keys added with Hydra's `+key=` that the schema lacks."""
+    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:

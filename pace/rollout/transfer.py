@@ -43,10 +43,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
-    materialize_full_tensor,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+from pace.rollout import source
 from pace.rollout.reload import ExactReload
 
 BACKEND = "pace_shm"
@@ -260,37 +260,21 @@ def tensor_meta(named: list[tuple[str, torch.Tensor]]) -> list[ParamMeta]:
 
 
 class CastSource(WeightSource):
-    """The trainer's parameters as the engine loads them: names without wrapper prefixes, each
-    cast to the engine dtype on the trainer's device (a sharded DTensor keeps its sharding) and
-    all-gathered if sharded (`full_tensor()`, a collective on every rank): no fp32 on the wire."""
+    """The trainer's parameters as the engine loads them (pace/rollout/source.py): names without
+    wrapper prefixes, each cast to the engine dtype on the trainer's device (a sharded DTensor keeps
+    its sharding) and all-gathered if sharded (`full_tensor()`, a collective on every rank): no fp32
+    on the wire."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
         self.model = model
         self.dtype = dtype
 
-    def _named(self) -> Iterator[tuple[str, torch.Tensor]]:
-        seen = set()
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            if id(p) in seen:  # tied weights (lm_head = embed_tokens) travel once, as the checkpoint has them
-                continue
-            seen.add(id(p))
-            yield _clean(name), p
-
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, self.dtype, tuple(p.shape)) for name, p in self._named()]
+        return [ParamMeta(name, self.dtype, tuple(p.shape)) for name, p in source.named_parameters(self.model)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        with torch.no_grad():
-            for name, p in self._named():
-                # cast the local shard first: the all-gather moves engine-dtype bytes (bf16, not fp32)
-                yield name, materialize_full_tensor(p.detach().to(self.dtype))
-
-
-def _clean(name: str) -> str:
-    """Parameter names as the HF checkpoint has them: no DDP/FSDP/compile/checkpointing wrappers."""
-    for prefix in ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name
+        for name, p in source.named_parameters(self.model):
+            yield name, source.engine_tensor(p, self.dtype)
 
 
 # The worker-side engine of each backend: vLLM's nccl and ipc engines and this module's shm engine,

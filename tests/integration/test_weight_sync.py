@@ -149,7 +149,7 @@ def test_the_engine_computes_with_the_trainers_weights_after_a_real_sync(head, r
 
 @pytest.mark.parametrize("dropped", [".layers.1.", "layers.1.self_attn.k_proj."])  # a layer; part of a fused qkv_proj
 def test_a_sync_that_misses_tensors_fails_naming_the_layers_and_the_engine_recovers(tied, monkeypatch, dropped):
-    from pace.rollout import transfer
+    from pace.rollout import source
     from pace.rollout.reload import IncompleteWeightUpdate
 
     path, llm = tied
@@ -158,8 +158,8 @@ def test_a_sync_that_misses_tensors_fails_naming_the_layers_and_the_engine_recov
     qkv = sum(p.weight.numel() for p in (attn.q_proj, attn.k_proj, attn.v_proj))
     got = 0 if dropped == ".layers.1." else qkv - attn.k_proj.weight.numel()
     named = f"model.layers.1.self_attn.qkv_proj got {got} of {qkv} elements"
-    named_params = transfer.CastSource._named
-    monkeypatch.setattr(transfer.CastSource, "_named", lambda self: ((n, p) for n, p in named_params(self) if dropped not in n))
+    named_params = source.named_parameters  # what the weight sync's CastSource walks
+    monkeypatch.setattr(source, "named_parameters", lambda model: ((n, p) for n, p in named_params(model) if dropped not in n))
     with pytest.raises(IncompleteWeightUpdate, match=named):
         _sync(llm, model, 3)
     engine_model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model

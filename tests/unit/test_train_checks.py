@@ -36,14 +36,15 @@ def test_every_rank_gets_a_share_of_every_mini_batch(b, n_mini, g, world, ok):
     ("cpu", "bfloat16", None, None),
 ])
 def test_a_bf16_model_on_a_gpu_always_trains_with_fp32_master_weights(device, dtype, launcher, want):
-    from train import mixed_precision
+    from pace.algo.precision import mixed_precision
 
     assert mixed_precision(device, dtype, launcher) == want
 
 
 def test_an_fp16_model_on_a_gpu_is_refused_in_one_line():
-    from train import UserError, mixed_precision
+    from pace.algo.precision import mixed_precision
+    from pace.config import ConfigError
 
-    with pytest.raises(UserError, match="model.dtype=float16 on a GPU: use bfloat16"):
+    with pytest.raises(ConfigError, match="model.dtype=float16 on a GPU: use bfloat16"):
         mixed_precision("cuda", "float16", None)
     assert mixed_precision("cpu", "float16", None) is None
