@@ -1,8 +1,8 @@
 """Decisions and barriers that wait on rank 0's long work, over a process group of their own.
 
 Rank 0 alone builds the engines, fills the first batch, downloads a hub model and writes the pool
-side of a checkpoint; the other ranks wait meanwhile. (Not yet covered: with nccl, a weight update
-held behind an in-training validation, which ranks ≥ 1 wait for inside the first FSDP all-gather.) Waiting in a collective of the trainer's process group (NCCL on GPUs) puts
+side of a checkpoint, and holds a weight update (nccl, gloo, ipc) while an in-training validation
+runs; the other ranks wait meanwhile. Waiting in a collective of the trainer's process group (NCCL on GPUs) puts
 them under its watchdog, 10 minutes by default: longer work on rank 0 kills them. These waits go
 over a gloo group with a timeout of their own (`trainer.control_timeout_s`), while the trainer's
 collectives (all-gathers, reduce-scatters) keep the process group's (`trainer.dist_timeout_s`).

@@ -32,7 +32,8 @@ from pace.rollout.errors import RolloutError
 
 
 class WeightSync:
-    def __init__(self, cfg, trainer, rollout, device: str):
+    def __init__(self, cfg, trainer, rollout, device: str, barrier=lambda: None):
+        self.barrier = barrier  # the trainer ranks' wait on rank 0 (pace/control.py): hours, not NCCL's watchdog
         self.backend = engine_lib.transfer_backend(cfg.rollout, device)
         self.acc = trainer.acc
         source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype))
@@ -91,7 +92,10 @@ class WeightSync:
 
     def publish(self, version: int) -> None:
         """The engines load θ_version. shm: rank 0 posts the slot to the rollout thread and goes
-        on; nccl: every rank takes part in the broadcast, which returns once the engines have it."""
+        on; nccl/gloo/ipc: every rank takes part in the broadcast, which returns once the engines
+        have it. Rank 0 first waits for the engines to take an update (held while an in-training
+        validation runs) and pauses them; the other ranks wait for it at the control barrier, not in
+        the first all-gather of the broadcast, where NCCL's watchdog would end them."""
         if version != self._version:
             raise RuntimeError(f"publish({version}) after prepare({self._version})")
         if self.backend == transfer.BACKEND:
@@ -100,6 +104,8 @@ class WeightSync:
         else:
             if self.engine.is_sender:
                 self.engine.client.version = version
+                self.engine.client.start_weight_update()  # may wait for a validation; send_weights' call is then a no-op
+            self.barrier()
             self.engine.send_weights()
         self._update = None
 
@@ -117,6 +123,7 @@ class BlockingClient:
     def __init__(self, rollout):
         self.rollout = rollout
         self.version: int | None = None
+        self.started = False  # between start_weight_update and finish_weight_update
 
     def _run(self, fn):
         if self.rollout.ident is None:  # the thread has not started: the engines are idle, call here
@@ -134,13 +141,18 @@ class BlockingClient:
         self._run(lambda: self.rollout.init_weight_transfer_engine(init_info))
 
     def start_weight_update(self) -> None:
-        self._run(self.rollout.begin_update)
+        """Once per update: WeightSync.publish starts it before the trainer ranks' barrier, and the
+        trainer engine's own call (in send_weights) then finds it started."""
+        if not self.started:
+            self._run(self.rollout.begin_update)
+            self.started = True
 
     def update_weights(self, update_info) -> None:
         self._run(lambda: self.rollout.engine.load(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._run(lambda: self.rollout.end_update(self.version))
+        self.started = False
 
 
 def _shared_token(acc) -> str:
