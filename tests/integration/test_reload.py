@@ -62,3 +62,31 @@ def _reload_shift(model_path: str) -> float:
                           "with identical weights (vllm-project/vllm#48312)")
 def test_moe_reload_of_identical_weights_is_exact(tmp_path):
     assert _reload_shift(_moe_model(tmp_path / "moe")) < 1e-5
+
+
+def test_moe_experts_as_the_trainer_sends_them_load_as_the_checkpoints(tmp_path):
+    """transformers 5 holds a Qwen3-MoE's experts fused (`experts.gate_up_proj` [E, 2I, H],
+    `experts.down_proj` [E, H, I]); the weight sync sends them so (pace/rollout/source.py), where
+    the checkpoint has them per expert. vLLM's MoE loader takes both (routed_experts.py): the engine
+    must compute the same after either. (Both move its outputs from the first load's: the defect above.)"""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pace.config import RolloutConfig
+    from pace.rollout import engine as engine_lib
+    from pace.rollout import source
+
+    path = _moe_model(tmp_path / "moe")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sent = [(name, source.engine_tensor(p, torch.float32)) for name, p in source.named_parameters(model)]
+    assert any(name.endswith("experts.gate_up_proj") for name, _ in sent)  # the fused layout, as a run sends it
+    llm = engine_lib.build_engine(path, RolloutConfig(), "float32", seed=0)
+    try:
+        ids = llm.get_tokenizer()("12+34+5=?\n Answer: 51", add_special_tokens=False).input_ids
+        engine_lib.load_weights(llm, sorted(load_file(str(tmp_path / "moe" / "model.safetensors")).items()))
+        per_expert = engine_lib.rescore(llm, [(ids, 1)])[0]
+        engine_lib.load_weights(llm, sent)
+        fused = engine_lib.rescore(llm, [(ids, 1)])[0]
+    finally:
+        engine_lib.shutdown(llm)
+    assert max(abs(a - b) for a, b in zip(per_expert, fused)) < 1e-6
