@@ -27,6 +27,7 @@ from pace.control import Control
 from pace.memory import release_free_heap, rss_mib
 from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.records import Fate
+from pace.signals import deafen_children
 from pace.rollout.errors import RolloutError
 from pace.tasks import loading
 from pace.tasks.math import DataError
@@ -151,20 +152,29 @@ def wait_for_batch(pool, rollout, step: int, stop: StopSignal):
     return None
 
 
+STOP_WAIT_S = 10.0  # the longest a stop waits for the rollout thread before it checkpoints without it
+
+
 class StopSignal:
     """SIGTERM (preemption, `kill`) or SIGINT (Ctrl-C): the first lets the step in progress finish,
-    then the run checkpoints and exits with 128 + the signal number; a second stops at once,
-    without a checkpoint."""
+    then the run checkpoints and exits with 128 + the signal number; a second, `REPEAT_S` or more
+    later, stops at once, without a checkpoint. Sooner it is the same stop arriving twice: a cluster
+    signals every process and torchrun forwards what it got to each rank's process group."""
+
+    REPEAT_S = 3.0
 
     def __init__(self):
         self.signum: int | None = None
+        self._at = 0.0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         if self.signum is not None:
+            if time.monotonic() - self._at < self.REPEAT_S:
+                return
             raise KeyboardInterrupt
-        self.signum = signum
+        self.signum, self._at = signum, time.monotonic()
         print(f"\n{signal.Signals(signum).name}: stopping after the step in progress, then checkpointing "
               "(send it again to stop at once, without a checkpoint)", file=sys.stderr, flush=True)
 
@@ -256,6 +266,9 @@ def run(cfg: DictConfig) -> None:
         metric = (lambda t: float(t.correct)) if cfg.algo.filter_on == "acc" else (lambda t: t.reward)
         pool = Pool(build_policy(cfg), informative=lambda g: is_informative([metric(t) for t in g.trajectories]),
                     capacity=cfg.pool.capacity)
+        # every process rank 0 starts from here on (engines, grading workers, wandb's service) leaves
+        # SIGTERM/SIGINT to the run, which checkpoints before it stops them (pace/signals.py)
+        deafen_children()
         grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                         max_failed_in_row=cfg.reward.max_failed_in_row)
         llm = engine_lib.build_fleet(model_path, cfg, device, world)
@@ -369,7 +382,7 @@ def run(cfg: DictConfig) -> None:
     finally:
         bar.close()
         if main_rank:
-            rollout.stop()
+            rollout.stop(timeout=STOP_WAIT_S if stop.requested else 30.0)
             grader.close()
             if saved is None:  # nothing went into a checkpoint: log what is left as pooled/in flight
                 logger.log_groups(pool.drain_decided(), step=-1)
@@ -382,7 +395,7 @@ def run(cfg: DictConfig) -> None:
             if best is not None:
                 summary.update(best.summary())
             logger.close(pool.remaining() if saved is None else [], summary)
-            engine_lib.shutdown(llm)
+            engine_lib.shutdown(llm, timeout=2.0)  # deaf to SIGTERM (pace/signals.py): killed after 2 s
             if sync is not None:
                 sync.close()
             pool.check_accounting()
@@ -401,7 +414,9 @@ def stop_and_checkpoint(checkpointer, parts, version: int, why: str):
     """Stop the rollout, drop what is in flight (prompts back to the sampler), checkpoint θ_version.
     Every rank calls it."""
     if parts is not None:
-        parts.rollout.stop()
+        if not parts.rollout.stop(timeout=STOP_WAIT_S):  # a launcher's grace period is short (torchrun: 30 s)
+            print(f"the rollout thread did not stop within {STOP_WAIT_S:.0f} s (an engine call that does not return): "
+                  "checkpointing without it", file=sys.stderr, flush=True)
         dropped = parts.pool.drop_inflight(version, reason=f"stopped: {why}")
         parts.sampler.give_back([g.prompt_id for g in dropped])
         parts.logger.log_groups(parts.pool.drain_decided(), step=-1)

@@ -210,12 +210,12 @@ def cache_salt(version: int) -> str:
     return f"v{version}"
 
 
-def shutdown(llm) -> None:
-    """Shut an `LLM` or an `EngineFleet` down."""
+def shutdown(llm, timeout: float | None = None) -> None:
+    """Shut an `LLM` or an `EngineFleet` down (``timeout``: `EngineFleet.shutdown`)."""
     if hasattr(llm, "llm_engine"):
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown(timeout=timeout)
     else:
-        llm.shutdown()
+        llm.shutdown(timeout=timeout)
 
 
 def scoring_params():

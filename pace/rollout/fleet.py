@@ -183,9 +183,11 @@ class EngineFleet:
             e.set_weight_version(str(version))
         self.version = version
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop every engine. Out-of-process engines started deaf to SIGTERM (pace/signals.py) do not
+        act on vLLM's terminate: ``timeout`` s later vLLM kills them (None: its default, 5 s each)."""
         for e in self.engines:
-            e.engine_core.shutdown()
+            e.engine_core.shutdown(timeout=timeout)
 
 
 def _is_child(engine) -> bool:

@@ -164,7 +164,9 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
         self.stats.update(state["stats"])
         self._last = (time.perf_counter(), dict(self.stats))
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Ask the thread to stop and wait up to ``timeout`` s; False if it is still running (an
+        engine call that does not return: the caller goes on without it)."""
         self._stopping.set()
         self._wake.set()
         if self.is_alive():
@@ -172,6 +174,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
         if self._own_slot is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._own_slot)
+        return not self.is_alive()
 
     def metrics(self) -> dict:
         """Throughput since the previous call: tokens per second of wall time, engine busy fraction,

@@ -177,3 +177,68 @@ def test_several_child_engines_take_weights_over_gloo_and_stay_on_policy(tiny_mo
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     mismatch = [m["mismatch/abs_logp_diff"] for m in metrics if "mismatch/abs_logp_diff" in m]
     assert len(mismatch) == 3 and max(mismatch) < 5e-6, mismatch  # float32 rounding: ~4e-7 measured
+
+
+def _signal(proc, target: str) -> None:
+    """SIGTERM as a launcher or a cluster sends it: to torchrun alone (it signals each rank's process
+    group, the engines and graders included), or to every process of the job (Slurm's scancel)."""
+    import os
+    import signal
+
+    import psutil
+
+    if target == "torchrun":
+        os.kill(proc.pid, signal.SIGTERM)
+        return
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in family:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.parametrize("target, rows, resume", [("torchrun", 3, False), ("everyone", 5, True)])
+def test_a_sigterm_to_a_two_process_run_always_checkpoints_and_resumes(tiny_model_path, tmp_path, target, rows, resume):
+    """A preemption signals every process; the engine (in its own process) and the grading workers
+    leave the signal to the run (pace/signals.py), which finishes the step in progress, checkpoints
+    and exits within torchrun's grace period (30 s, then SIGKILL). Before, the engine's worker died
+    on the signal and rank 0 could hang on it until the SIGKILL: no checkpoint, no summary.json."""
+    import os
+    import signal
+    import time
+
+    from tests.conftest import wait_for_rows
+
+    run = tmp_path / "run"
+    cmd = [*torchrun(2), str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=40", "data.batch_prompts=8",
+           "rollout.max_inflight_groups=32", "eval.every=0", "trainer.save_every=0", "logger.mode=disabled",
+           "logger.progress=false", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for_rows(proc, run, rows)
+        _signal(proc, target)
+        t0 = time.time()
+        _, err = proc.communicate(timeout=90)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    summary = json.loads((run / "summary.json").read_text())  # written, not lost to a SIGKILL
+    assert summary["processes"] == 2 and summary["engine_process"] == "child"
+    assert summary["status"] == "interrupted" and summary["checkpoint"], err[-3000:]
+    assert took < 30 and "forcefully exiting via 9" not in err, (took, err[-3000:])
+    # the engine outlived the signal: no engine core or worker failed, and the rollout thread stopped
+    for death in ("Process EngineCore:", "died unexpectedly", "EngineCore encountered a fatal error", "did not stop within"):
+        assert death not in err, (death, err[-3000:])
+    ckpt = run / "checkpoints" / f"step-{summary['steps']:06d}"
+    assert (ckpt / "run_state.pkl").exists() and summary["steps"] >= rows
+    if not resume:
+        return
+    resumed = subprocess.run([*torchrun(2), str(ROOT / "train.py"), f"resume={ckpt}", f"trainer.steps={summary['steps'] + 2}",
+                              f"hydra.run.dir={tmp_path / 'resume-hydra'}"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=420)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = json.loads((run / "summary.json").read_text())
+    assert after["status"] == "finished" and after["steps"] == summary["steps"] + 2 and after["processes"] == 2

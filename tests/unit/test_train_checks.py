@@ -48,3 +48,30 @@ def test_an_fp16_model_on_a_gpu_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="model.dtype=float16 on a GPU: use bfloat16"):
         mixed_precision("cuda", "float16", None)
     assert mixed_precision("cpu", "float16", None) is None
+
+
+def test_a_stop_signal_sent_twice_at_once_is_one_stop_and_a_later_one_stops_now(monkeypatch):
+    """A cluster signals every process and torchrun forwards the signal to each rank: a rank gets the
+    same SIGTERM twice within moments, which must not count as the second ("stop at once, without a
+    checkpoint"); one sent again later still does."""
+    import os
+    import signal
+    import time
+
+    from train import StopSignal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(StopSignal, "REPEAT_S", 0.3)
+    try:
+        stop = StopSignal()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's copy of the same stop
+        time.sleep(0.05)
+        assert stop.requested and stop.signum == signal.SIGTERM
+        time.sleep(0.35)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
