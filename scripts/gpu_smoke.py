@@ -244,13 +244,16 @@ def accelerator(case: str, model_dtype: str, tiny: bool):
     return acc
 
 
-def fsdp_plugin():
-    """conf/accelerate/fsdp.yaml's plugin, as `accelerate launch` builds it from the file."""
+def fsdp_plugin(path: Path = FSDP_YAML):
+    """An accelerate config file's FSDP plugin, as `accelerate launch` builds it from the file (also
+    the CPU tests' way to Accelerate's FSDP2 path: tests/integration/fsdp_prepare.py)."""
     import yaml
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    fsdp = yaml.safe_load(FSDP_YAML.read_text())["fsdp_config"]
+    fsdp = yaml.safe_load(path.read_text())["fsdp_config"]
     kwargs = {k if k == "fsdp_version" else k.removeprefix("fsdp_"): v for k, v in fsdp.items()}
+    if "transformer_layer_cls_to_wrap" in kwargs:  # the launcher's name for the plugin's field
+        kwargs["transformer_cls_names_to_wrap"] = kwargs.pop("transformer_layer_cls_to_wrap").split(",")
     kwargs.pop("cpu_ram_efficient_loading", None)  # a loading mode for hub checkpoints, set by the launcher's env
     kwargs["cpu_offload"] = kwargs.pop("offload_params", False)
     return FullyShardedDataParallelPlugin(**kwargs)
@@ -276,15 +279,18 @@ def local_shards(model) -> dict:
             if p.dtype.is_floating_point}
 
 
-def moved(before: dict, model, layers_only: bool = True) -> float:
-    changed = total = 0
+def moved(before: dict, model) -> tuple[float, float]:
+    """Fractions of the elements that differ from ``before``: of the decoder layers', and of all."""
+    counts = {"layers": [0, 0], "all": [0, 0]}
     for n, p in model.named_parameters():
-        if n not in before or (layers_only and ".layers." not in n):
+        if n not in before:
             continue
         now = (p.to_local() if hasattr(p, "to_local") else p).detach().cpu()
-        changed += int((now != before[n]).sum())
-        total += now.numel()
-    return changed / max(total, 1)
+        changed = int((now != before[n]).sum())
+        for key in ("layers", "all") if ".layers." in n else ("all",):
+            counts[key][0] += changed
+            counts[key][1] += now.numel()
+    return tuple(c / max(t, 1) for c, t in counts.values())
 
 
 def timed_step(trainer, batch, cuda: bool) -> dict:
@@ -379,8 +385,9 @@ def child(args) -> None:
     states = sum(p.numel() for p in model.parameters()) * (16 if shards == ["torch.float32"] else 8)  # + grads, 2 moments
     if "peak_gib" in step:
         step["above_states_gib"] = step["peak_gib"] - states / 2**30
-    emit(case, "step", tokens=prompt + response, shards=shards, changed_layers=moved(before, model),
-         changed_all=moved(before, model, layers_only=False), **step)
+    changed_layers, changed_all = moved(before, model)
+    emit(case, "step", tokens=prompt + response, shards=shards, changed_layers=changed_layers, changed_all=changed_all,
+         **step)
     del before
     if case != "fsdp":
         return
@@ -412,12 +419,12 @@ def child(args) -> None:
     weights = local_shards(model)
     moments = [v.to("cpu", copy=True) for s in trainer.optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
     timed_step(trainer, batch, cuda)
-    moved_between = moved(weights, model) > 0
+    moved_between = moved(weights, model)[0] > 0
     t0 = time.perf_counter()
     trainer.load(ckpt)
     load_s = time.perf_counter() - t0
     after = [v.cpu() for s in trainer.optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
-    emit(case, "checkpoint", weights_equal=moved(weights, model, layers_only=False) == 0.0,
+    emit(case, "checkpoint", weights_equal=moved(weights, model)[1] == 0.0,
          optimizer_equal=len(after) == len(moments) > 0 and all(torch.equal(a, m) for a, m in zip(after, moments)),
          moved_between=moved_between, save_s=save_s, load_s=load_s,
          dcp=any((ckpt / "pytorch_model_fsdp_0").glob("*.distcp")) and any((ckpt / "optimizer_0").glob("*.distcp")),

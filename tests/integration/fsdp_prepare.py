@@ -31,16 +31,11 @@ def tiny_config(arch: str):
 
 
 def plugin_from_yaml(path: Path):
-    from accelerate.utils import FullyShardedDataParallelPlugin
+    from scripts.gpu_smoke import fsdp_plugin
 
-    fsdp = yaml.safe_load(path.read_text())["fsdp_config"]
-    kwargs = {k if k == "fsdp_version" else k.removeprefix("fsdp_"): v for k, v in fsdp.items()}
-    if "transformer_layer_cls_to_wrap" in kwargs:  # the launcher's name for the plugin's field
-        kwargs["transformer_cls_names_to_wrap"] = kwargs.pop("transformer_layer_cls_to_wrap").split(",")
-    kwargs.pop("cpu_ram_efficient_loading", None)  # a loading mode for hub checkpoints; the model here is built
-    if kwargs.pop("offload_params", False):
+    if yaml.safe_load(path.read_text())["fsdp_config"].get("fsdp_offload_params", False):
         raise SystemExit("offload_params in the yaml: not what the presets use")
-    return FullyShardedDataParallelPlugin(**kwargs)
+    return fsdp_plugin(path)
 
 
 def main(arch: str) -> None:
