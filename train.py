@@ -97,7 +97,7 @@ def step_metrics(batch, pool, decided, t_wait: float, tools: bool = False) -> di
     arrived = pool.drain_arrived()
     produced = [t for g in arrived for t in g.trajectories]
     rollout = {"rollout/groups_completed": len(arrived)}
-    if pool.policy.name == "pace":
+    if all("s_eff" in g.scores for g in batch.groups):  # PACE scored them
         # S_eff = K_wait + u^γ K_gen of the consumed groups (DESIGN §2), as the policy scored them
         rollout["staleness/effective_mean"] = sum(g.scores["s_eff"] for g in batch.groups) / n
     if produced:

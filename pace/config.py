@@ -9,7 +9,7 @@ transformers and accelerate are installed).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from typing import TYPE_CHECKING
 
@@ -125,7 +125,11 @@ class RewardConfig:
 
 @dataclass
 class PoolConfig:
-    name: str = "async"  # sync | async | stale_k | gate | pace
+    # sync | async | stale_k | gate | pace, or a policy of your own by import path,
+    # `my_package.module:MyPolicy` (README "Writing a pool policy")
+    name: str = "async"
+    # Keyword arguments of a policy given by import path (`+pool.args.keep=3`); unused by the built-in ones
+    args: Dict[str, Any] = field(default_factory=dict)
     max_lag: float = 4.0  # stale_k: drop at consumption when K > max_lag
     max_head_offpolicyness: int = 4  # gate: η, generation at most η batches ahead of training
     # Hard cap on pooled + in-flight groups (every policy): at capacity no group starts until the
@@ -309,7 +313,9 @@ def validate(cfg: DictConfig) -> None:
     _check_schema(cfg)
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
-        if value not in allowed:
+        if key == "pool.name" and ":" in value:
+            _check_policy(cfg)
+        elif value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     for key in _POSITIVE:
         if not OmegaConf.select(cfg, key) > 0:
@@ -341,6 +347,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"eval.best_within must be >= 0 or null, got {cfg.eval.best_within}")
     if cfg.trainer.mini_batches > cfg.data.batch_prompts:
         raise ConfigError("trainer.mini_batches must be <= data.batch_prompts (mini-batches split groups)")
+    if cfg.pool.get("args") and ":" not in cfg.pool.name:
+        raise ConfigError(f"pool.args={dict(cfg.pool.args)} is for a policy given by import path; "
+                          f"pool.name={cfg.pool.name} takes its settings from its own keys")
     if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:
         raise ConfigError("pool.name=sync trains on-policy: it needs rollout.sync_every=1")
     if cfg.trainer.dist_timeout_s is not None and cfg.trainer.dist_timeout_s <= 0:
@@ -405,6 +414,13 @@ def _check_algo(algo) -> None:
         raise ConfigError(f"algo.is_threshold_lower={low}: needs algo.is_correction=mis and 0 <= it < algo.is_threshold")
     if not (algo.m2_threshold > 0 and 0 <= algo.m2po_eps_low_min <= 1 and algo.m2po_eps_high_max >= 0):
         raise ConfigError("algo.m2_threshold must be > 0, algo.m2po_eps_low_min in [0, 1], algo.m2po_eps_high_max >= 0")
+
+
+def _check_policy(cfg: DictConfig) -> None:
+    """A policy given by import path: importable, the protocol's methods, `pool.args` that fit."""
+    from pace.pool.policies import build_policy
+
+    build_policy(cfg)  # raises PolicyError (a ConfigError) in one line
 
 
 def _check_schema(cfg: DictConfig) -> None:

@@ -166,12 +166,23 @@ class Pool:
                     return None
 
     def _apply(self, selection: Selection, step: int) -> None:
+        self._check(selection)
         for group, fate, reason in selection.removed:
             self._pooled.remove(group)
             self._decide(group, fate, reason, step)
         for group in selection.batch:
             self._pooled.remove(group)
             self._decide(group, Fate.CONSUMED, "", step)
+
+    def _check(self, selection: Selection) -> None:
+        """A policy's decision names each pooled group at most once, with a fate a policy may give
+        (policies from outside the package are held to the protocol here, in one line)."""
+        groups = selection.batch + [g for g, _, _ in selection.removed]
+        bad = next((f for _, f, _ in selection.removed if f not in (Fate.REJECTED, Fate.DROPPED_STALE)), None)
+        if len({g.id for g in groups}) != len(groups) or not all(g in self._pooled for g in groups) or bad:
+            what = f"fate {bad.value} (a policy removes as rejected or dropped_stale)" if bad else \
+                "a group twice, or one that is not pooled"
+            raise RuntimeError(f"pool policy {type(self.policy).__name__}.select returned {what}")
 
     def abandon(self, batch: Batch, reason: str) -> None:
         """The training step on ``batch`` failed: its groups were not trained on. Consumed becomes

@@ -1,9 +1,11 @@
-"""Pool policies by name (`pool.name`). Each is a few lines over `PoolPolicy` (DESIGN §3 table)."""
+"""Pool policies by name (`pool.name`). Each is a few lines over `PoolPolicy` (DESIGN §3 table).
+A `pool.name` of the form `module.path:ClassName` loads a policy from outside the package
+(`pace/pool/plugins.py`, README "Writing a pool policy")."""
 from __future__ import annotations
 
 import numpy as np
 
-from pace.pool import scoring
+from pace.pool import plugins, scoring
 from pace.pool.base import AdmissionView, PoolPolicy, Selection
 from pace.pool.columns import PoolColumns
 from pace.pool.scoring import RejectionController, ScoreWindow
@@ -178,6 +180,8 @@ POLICIES: dict[str, type[PoolPolicy]] = {
 def build_policy(cfg) -> PoolPolicy:
     common = dict(batch_prompts=cfg.data.batch_prompts, max_inflight_groups=cfg.rollout.max_inflight_groups)
     name = cfg.pool.name
+    if plugins.is_import_path(name):
+        return plugins.build(name, **common, args=dict(getattr(cfg.pool, "args", None) or {}))
     if name == "stale_k":
         return StaleKPolicy(**common, max_lag=cfg.pool.max_lag)
     if name == "gate":

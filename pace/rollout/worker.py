@@ -25,6 +25,7 @@ import traceback
 from collections import deque
 
 from pace.pool import Pool
+from pace.pool.plugins import reads_pfs
 from pace.rollout import transfer
 from pace.rollout.errors import RolloutError
 from pace.rollout.fleet import EngineFleet
@@ -87,8 +88,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
                       "versions_checked": 0}
-        # PACE: rescore pooled prefixes after each update (only the pace policy reads PFS)
-        self.prefix_tokens = cfg.pace.prefix_tokens if cfg.pool.name == "pace" else 0
+        # PACE: rescore pooled prefixes after each update (for policies that read the PFS)
+        self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
         self._rescoring = {}
         self._rescore_started: float | None = None
         self._last = (time.perf_counter(), dict(self.stats))  # (time, stats) at the last metrics() call

@@ -27,6 +27,7 @@ import numpy as np
 
 from pace.algo.advantages import is_informative
 from pace.pool import Pool, build_policy
+from pace.pool.plugins import reads_pfs
 from pace.records import Fate
 from pace.sim.engine import Finished, SimEngine
 from pace.sim.records import SimGroup
@@ -51,7 +52,7 @@ class Simulation:
         metric = (lambda g: g.correct.astype(float).tolist()) if cfg.algo.filter_on == "acc" else (lambda g: g.reward.tolist())
         self.pool = Pool(build_policy(cfg), informative=lambda g: is_informative(metric(g)), capacity=cfg.pool.capacity)
         self.engines = [SimEngine(i, s.engine, cfg.rollout.max_num_seqs) for i in range(cfg.rollout.engines)]
-        self.rescore = cfg.pool.name == "pace" and cfg.pace.score == "effective"
+        self.rescore = reads_pfs(self.pool.policy) and not (cfg.pool.name == "pace" and cfg.pace.score != "effective")
         self.prefix = cfg.pace.prefix_tokens
         self._events: list = []
         self._touched: set[SimEngine] = set()  # engines whose state changed in this event
@@ -263,7 +264,7 @@ class Simulation:
         arrived, self._arrived = self._arrived, []
         lens = np.concatenate([g.target for g in groups])
         m = {"rollout/groups_completed": len(arrived)}
-        if self.pool.policy.name == "pace":
+        if all("s_eff" in g.scores for g in groups):  # PACE scored them
             m["staleness/effective_mean"] = float(np.mean([g.scores["s_eff"] for g in groups]))
         if arrived:
             m["rollout/acc_mean"] = float(np.concatenate([g.correct for g in arrived]).mean())

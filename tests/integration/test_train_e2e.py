@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -169,6 +170,7 @@ def test_sigint_stops_cleanly(tiny_model_path, tmp_path):
         (["trainer.foo=1"], "trainer.foo"),
         (["pool.name=bogus"], "pool.name='bogus'"),
         (["data.group_size=1"], "data.group_size"),
+        (["pool.name=tests.unit.test_pool_plugins:NoSelect"], "NoSelect lacks select(), load_state_dict()"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, needle, tmp_path):
@@ -210,6 +212,26 @@ def test_pace_run_rejects_and_logs_scores(tiny_model_path, tmp_path):
     check_staleness(groups)
     assert all("pool/rho" in m and "pool/budget" in m for m in metrics)
     check_pace_decisions(groups, gamma=1.0)
+
+
+def test_a_pool_policy_given_by_import_path_trains_end_to_end(tiny_model_path, tmp_path):
+    """examples/pool_policies/freshest.py through `pool.name=module:Class` and `pool.args`: it trains
+    on the freshest B and drops the oldest beyond keep·B (keep = 1 with 32 groups in flight over
+    B = 4: production outruns training, so every step after the first finds more than B pooled)."""
+    proc = run_train(["pool.name=examples.pool_policies.freshest:FreshestPolicy", "+pool.args.keep=1", "trainer.steps=4",
+                      "data.batch_prompts=4", "rollout.max_inflight_groups=32", "eval.every=0", "logger.mode=disabled"],
+                     tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics, groups, summary = _read(tmp_path)
+    _check_accounting(groups, summary)
+    check_staleness(groups)
+    dropped = groups[groups.fate == "dropped_stale"]
+    assert summary["fates"]["dropped_stale"] == len(dropped) == sum(m["pool/dropped"] for m in metrics) > 0
+    assert (dropped.reason == "freshest: beyond 4").all()
+    assert [m["pool/dropped_total"] for m in metrics] == list(np.cumsum([m["pool/dropped"] for m in metrics]))
+    for step, at in groups[groups.fate.isin(["consumed", "dropped_stale"])].groupby("step"):
+        consumed, dropped = at[at.fate == "consumed"], at[at.fate == "dropped_stale"]
+        assert len(consumed) == 4 and (not len(dropped) or consumed.k.max() <= dropped.k.min() + 1e-12), step
 
 
 def check_pace_decisions(groups, gamma: float) -> None:

@@ -1,0 +1,1 @@
+"""Examples that use the project from outside the `pace` package."""
