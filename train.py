@@ -283,9 +283,9 @@ def run(cfg: DictConfig) -> None:
         logger = RunLogger(cfg, run_dir, config, group=default_group(cfg), resume=state and state["logger"])
         parts = ckpt.RunParts(pool, sampler, rollout, grader, logger, validations)
         if state is not None:
-            dropped = ckpt.restore(state, parts)
-            print(f"resuming {run_dir} from {checkpoint.name}: {pool.occupancy} pooled groups, "
-                  f"{len(dropped)} in flight at the checkpoint dropped (prompts returned)", file=sys.stderr)
+            kept, dropped = ckpt.restore(state, parts)
+            print(f"resuming {run_dir} from {checkpoint.name}: {pool.occupancy} pooled groups; of those in flight "
+                  f"at the checkpoint {len(kept)} continued, {len(dropped)} dropped (prompts returned)", file=sys.stderr)
         print(f"run directory: {run_dir}", file=sys.stderr)
     from pace.sync import WeightSync
 
@@ -411,14 +411,17 @@ def run(cfg: DictConfig) -> None:
 
 
 def stop_and_checkpoint(checkpointer, parts, version: int, why: str):
-    """Stop the rollout, drop what is in flight (prompts back to the sampler), checkpoint θ_version.
+    """Stop the rollout and checkpoint θ_version with what is in flight (`rollout.resume_inflight`:
+    kept as it stands, continued on `resume=`; otherwise dropped, prompts back to the sampler).
     Every rank calls it."""
     if parts is not None:
-        if not parts.rollout.stop(timeout=STOP_WAIT_S):  # a launcher's grace period is short (torchrun: 30 s)
+        stopped = parts.rollout.stop(timeout=STOP_WAIT_S)  # a launcher's grace period is short (torchrun: 30 s)
+        if not stopped:
             print(f"the rollout thread did not stop within {STOP_WAIT_S:.0f} s (an engine call that does not return): "
-                  "checkpointing without it", file=sys.stderr, flush=True)
-        dropped = parts.pool.drop_inflight(version, reason=f"stopped: {why}")
-        parts.sampler.give_back([g.prompt_id for g in dropped])
+                  "checkpointing without it; its groups in flight are dropped", file=sys.stderr, flush=True)
+        if not (stopped and parts.rollout.cfg.rollout.resume_inflight):
+            dropped = parts.pool.drop_inflight(version, reason=f"stopped: {why}")
+            parts.sampler.give_back([g.prompt_id for g in dropped])
         parts.logger.log_groups(parts.pool.drain_decided(), step=-1)
     return checkpointer.save(why, parts)
 

@@ -5,7 +5,8 @@
                           Accelerate `save_state` (every rank; sharded under FSDP): weights, AdamW
                           moments, LR schedule, the Python/NumPy/torch RNG states
         run_state.pkl     rank 0's side: the pool (every pooled group with its tokens, behaviour
-                          log-probs, versions and scores), the policy's state (PACE: ρ and the PFS
+                          log-probs, versions and scores; the groups in flight as they stood),
+                          the policy's state (PACE: ρ and the PFS
                           window), the prompt sampler (position and returned prompts), the next
                           group id, the fate counts, the logger's position (metrics rows, Parquet
                           parts, wandb run id), validation state, counters
@@ -16,8 +17,11 @@
                           one full copy of the weights in the checkpoint)
         meta.json         version, why it was written, fate counts (for people and scripts)
 
-Groups in flight at a checkpoint are not in it: they count as `dropped_shutdown` there and their
-prompts go back to the sampler, so a resumed run decides every submitted group exactly once.
+Groups in flight at a checkpoint are in it as they stand (`rollout.resume_inflight`, the default):
+finished responses, and every unfinished one's tokens with ℓ^μ and versions; `resume=` continues
+them (pace/rollout/resuming.py). With it off, or from a checkpoint written before it, they count
+as `dropped_shutdown` and their prompts go back to the sampler. Either way a resumed run decides
+every submitted group exactly once.
 A checkpoint is written to `step-N.tmp` and renamed when complete (a kill while writing leaves
 the previous ones intact); the newest `trainer.keep_checkpoints` are kept.
 """
@@ -43,7 +47,7 @@ FORMAT = 1
 RESUMABLE = (
     "trainer.steps", "trainer.save_every", "trainer.keep_checkpoints", "logger.mode", "logger.progress",
     "reward.workers", "reward.timeout_s", "reward.max_failed_in_row", "device", "tools.workers", "tools.warm",
-    "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps", "trainer.dist_timeout_s", "trainer.control_timeout_s",
+    "rollout.resume_inflight", "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps", "trainer.dist_timeout_s", "trainer.control_timeout_s",
 )
 
 
@@ -110,11 +114,13 @@ def capture(parts: RunParts) -> bytes:
     """rank 0's state as of one moment: the rollout thread is paused between engine steps."""
     parts.logger.flush()  # every decided group so far is in a Parquet part the checkpoint points to
     with parts.rollout.paused():
+        rollout = parts.rollout.state_dict()  # with the groups in flight it kept (rollout.resume_inflight)
+        keep = {_group_of(item).id for item in rollout["inflight"]}
         state = {
             "format": FORMAT,
-            "pool": parts.pool.state_dict(),
+            "pool": parts.pool.state_dict(keep=keep),
             "sampler": parts.sampler.state_dict(),
-            "rollout": parts.rollout.state_dict(),
+            "rollout": rollout,
             "grader": parts.grader.state_dict(),
             "logger": parts.logger.state_dict(),
             "validations": None if parts.validations is None else parts.validations.state_dict(),
@@ -122,19 +128,29 @@ def capture(parts: RunParts) -> bytes:
         return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def restore(state: dict, parts: RunParts) -> list:
+def restore(state: dict, parts: RunParts) -> tuple[list, list]:
     """Load rank 0's state into freshly built parts (before the rollout thread starts). Returns
-    the groups that were in flight at the checkpoint (now dropped_shutdown, prompts returned)."""
+    the groups in flight at the checkpoint that the rollout continues (`rollout.resume_inflight`)
+    and those dropped (dropped_shutdown, prompts returned)."""
     if state.get("format") != FORMAT:
         raise ConfigError(f"resume: checkpoint format {state.get('format')} is not {FORMAT}")
-    dropped = parts.pool.load_state_dict(state["pool"])
+    keep = parts.rollout.cfg.rollout.resume_inflight
+    dropped = parts.pool.load_state_dict(state["pool"], keep_inflight=keep)
     parts.sampler.load_state_dict(state["sampler"])
     parts.sampler.give_back([g.prompt_id for g in dropped])
     parts.rollout.load_state_dict(state["rollout"])
+    ids = {g.id for g in state["pool"].get("inflight", [])} if keep else set()
+    kept = [item for item in state["rollout"].get("inflight", []) if _group_of(item).id in ids]
+    parts.rollout.load_inflight(kept, state["rollout"].get("version", 0))
     parts.grader.load_state_dict(state["grader"])
     if parts.validations is not None and state["validations"] is not None:
         parts.validations.load_state_dict(state["validations"])
-    return dropped
+    return kept, dropped
+
+
+def _group_of(item):
+    """A kept in-flight item: a group still generating (its `_Pending`) or one being graded."""
+    return getattr(item, "group", item)
 
 
 def load_state(checkpoint: Path) -> dict:

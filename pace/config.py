@@ -67,6 +67,11 @@ class RolloutConfig:
     # make production outrun training on 2 CPU cores, so an unfiltered pool builds a backlog as
     # in the paper's runs (README "The backlog").
     max_inflight_groups: int = 128
+    # A checkpoint (a stop's or a periodic one) keeps the groups in flight: finished responses, and
+    # each unfinished one's tokens with their log-probs and versions; `resume=` continues them
+    # (prompt + kept tokens prefilled, the rest generated under the resumed weights). false: they
+    # are dropped, their prompts returned to the sampler (README "Checkpoints, resume and failures").
+    resume_inflight: bool = True
     sync_every: int = 1  # weight sync every N training steps
     max_model_len: int = 256
     max_num_seqs: int = 1024  # sequences the engine runs at once (vLLM max_num_seqs)

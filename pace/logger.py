@@ -35,7 +35,7 @@ def group_schema():
         ("reward_std", f), ("acc_mean", f), ("len_mean", f), ("len_max", i),
         ("lengths", pa.list_(i)), ("num_tokens", i), ("versions_spanned", i),
         ("num_actions", i), ("tool_calls", pa.list_(i)), ("tool_errors", i),
-        ("completed_at", pa.list_(i)), ("version_spans", pa.list_(pa.list_(i))),
+        ("completed_at", pa.list_(i)), ("version_spans", pa.list_(pa.list_(i))), ("resumed_tokens", pa.list_(i)),
     ])
 
 
@@ -70,6 +70,8 @@ def group_row(group: Group) -> dict:
         # which K, K_gen and K_wait can be recomputed independently of the logged values
         "completed_at": [t.completed_at for t in trajs],
         "version_spans": spans,
+        # per response: tokens kept from a checkpoint and continued after a restart (0: generated in one go)
+        "resumed_tokens": [t.resumed for t in trajs],
     }
     complete = len(trajs) == len(group.trajectories) and trajs and all(t.completed_at >= 0 for t in trajs)
     if complete:

@@ -48,12 +48,12 @@ class Trajectory:
     """
 
     __slots__ = ("_tok", "_n", "_masked", "_stream", "completed_at", "finish_reason", "correct", "reward",
-                 "advantage", "tool_calls", "tool_errors")
+                 "advantage", "tool_calls", "tool_errors", "resumed")
     FLUSH = 256  # streamed tokens held in Python lists before they move into the array
 
     def __init__(self, response_ids=(), logprobs=(), versions=(), completed_at: int = -1, finish_reason: str = "",
                  correct: bool = False, reward: float = 0.0, advantage: float = 0.0, action_mask=None,
-                 tool_calls: int = 0, tool_errors: int = 0):
+                 tool_calls: int = 0, tool_errors: int = 0, resumed: int = 0):
         n = len(response_ids)
         if len(logprobs) != n or len(versions) != n or (action_mask is not None and len(action_mask) != n):
             raise ValueError(f"a trajectory needs one log-prob, version (and action flag) per token: {n} tokens, "
@@ -71,6 +71,7 @@ class Trajectory:
         self.advantage = advantage
         self.tool_calls = tool_calls  # multi-turn: programs run for this response
         self.tool_errors = tool_errors  # of which did not succeed (error, timeout, killed, no program)
+        self.resumed = resumed  # tokens kept from a checkpoint and continued after a restart (0: none)
 
     # --- growth (the rollout thread) ----------------------------------------------------------
     def extend(self, ids, logprobs, version, action: bool = True) -> None:
@@ -107,6 +108,11 @@ class Trajectory:
             ids, lps, vs = self._stream
             self._stream = None
             self._append(ids, lps, vs, True)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens."""
+        self._flush()
+        self._n = min(self._n, n)
 
     def finish(self) -> None:
         """Drop the spare capacity of growth (a finished response does not grow)."""
@@ -171,7 +177,7 @@ class Trajectory:
                                action_mask=state.pop("action_mask", None))
             state.pop("text", None)
             state |= {"_tok": fresh._tok, "_n": fresh._n, "_masked": fresh._masked}
-        state = {"_stream": None} | state
+        state = {"_stream": None, "resumed": 0} | state  # (resumed: absent before in-flight resume)
         for name, value in state.items():
             setattr(self, name, value)
 

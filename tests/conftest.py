@@ -84,3 +84,46 @@ def check_staleness(groups) -> None:
         assert abs(row.k - k) < 1e-9 and abs(row.k_gen - k_gen) < 1e-9 and abs(row.k_wait - k_wait) < 1e-9, row.id
         for spans, c in zip(row.version_spans, row.completed_at):
             assert max(spans[0::2]) <= c <= row.step and list(spans[0::2]) == sorted(spans[0::2]), row.id
+
+
+def check_continued(state: dict, groups, version: int, later: dict | None = None) -> tuple[int, int]:
+    """The groups a checkpoint kept in flight (``state``: its run_state.pkl) were continued by the
+    resumed run from θ_``version``, which logged ``groups`` (and wrote the checkpoint ``later``).
+    Each is logged once (decided, or in flight at the end). Every response cut short keeps its
+    tokens: in ``later`` (pooled or still in flight there) token for token, ids, ℓ^μ and versions;
+    in the logged records its versions and `resumed_tokens`; the tokens after them come from
+    θ_version or later. Returns (responses compared token for token, responses checked in the records)."""
+    import numpy as np
+
+    kept = state["rollout"]["inflight"]
+    assert kept and {getattr(k, "group", k).id for k in kept} == {g.id for g in state["pool"]["inflight"]}
+    after = {}
+    for item in ([] if later is None else [*later["pool"]["pooled"], *later["rollout"]["inflight"]]):
+        group = getattr(item, "group", item)
+        responses = item.responses if hasattr(item, "group") else dict(enumerate(item.trajectories))
+        after.update({(group.id, i): t for i, t in responses.items()})
+    rows = groups.set_index("id")
+    assert rows.loc[[getattr(k, "group", k).id for k in kept]].index.is_unique
+    compared = checked = 0
+    for item in kept:
+        if not hasattr(item, "group"):  # it was being graded: complete already
+            continue
+        row = rows.loc[item.group.id]
+        for i, traj in item.responses.items():
+            if traj.completed_at >= 0 or len(traj) == 0:
+                continue
+            n = len(traj)
+            t = after.get((item.group.id, i))
+            if t is not None and len(t) > n:
+                assert t.response_ids[:n].tolist() == traj.response_ids.tolist()
+                assert t.logprobs[:n].tolist() == traj.logprobs.tolist() and t.resumed == n
+                assert t.versions[:n].tolist() == traj.versions.tolist() and (t.versions[n:] >= version).all()
+                compared += 1
+            if row.fate != "inflight":  # a record with its tokens' versions
+                spans = row.version_spans[i]
+                versions = np.repeat(spans[0::2], spans[1::2])
+                assert row.resumed_tokens[i] == n, (item.group.id, i)
+                assert versions[:n].tolist() == traj.action_versions.tolist()
+                assert (versions[n:] >= version).all() and row.completed_at[i] >= version
+                checked += 1
+    return compared, checked

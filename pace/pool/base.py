@@ -5,13 +5,14 @@ Every group ever submitted ends in exactly one fate. The pool is the only place 
     on_submitted   → inflight
     add            → pooled, or filtered (dynamic sampling)
     form_batch     → consumed, or rejected / dropped_stale (by the policy)
-    drop_inflight  → dropped_shutdown (a stop: in-flight groups are cut short, prompts returned)
+    drop_inflight  → dropped_shutdown (a stop without `rollout.resume_inflight`: cut short, prompts returned)
     abandon        consumed → dropped_shutdown (the training step on that batch failed)
     at shutdown    whatever is left stays pooled and is counted (and checkpointed)
 
-Invariant, checked by `check_accounting`: submitted == Σ_fate count(fate), across resumes too:
-`state_dict` counts the groups in flight at the checkpoint as dropped_shutdown, so a run resumed
-from it decides each of them once.
+Invariant, checked by `check_accounting`: submitted == Σ_fate count(fate), across resumes too: a
+group in flight at a checkpoint stays in flight there when the rollout kept its state (the resumed
+run continues it), and is counted as dropped_shutdown otherwise, so a run resumed from it decides
+each of them once.
 
 Capacity (`pool.capacity`): no group is started while pooled + in flight ≥ capacity, so the pool
 never holds more than `capacity` groups and memory stays bounded when production outruns
@@ -229,16 +230,20 @@ class Pool:
             self._arrived.notify_all()
 
     # --- checkpoint ------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs; groups in flight are counted as dropped_shutdown (the
-        resumed run logs them so, and their prompts go back to its sampler). Holds the live group
-        objects: pickle it before the rollout thread runs again."""
+    def state_dict(self, keep: set[int] = frozenset()) -> dict:
+        """Everything a resumed run needs. Groups in flight whose ids are in ``keep`` (the rollout
+        kept their state: pace/rollout/resuming.py) stay in flight; the others are counted as
+        dropped_shutdown (the resumed run logs them so, and their prompts go back to its sampler).
+        Holds the live group objects: pickle it, with the rollout's state, before the rollout
+        thread runs again."""
         with self._lock:
             counts = {f.value: n for f, n in self._counts.items()}
-            dropped = list(self._inflight.values())
+            inflight = [g for g in self._inflight.values() if g.id in keep]
+            dropped = [g for g in self._inflight.values() if g.id not in keep]
             counts[Fate.DROPPED_SHUTDOWN.value] = counts.get(Fate.DROPPED_SHUTDOWN.value, 0) + len(dropped)
             return {
                 "pooled": list(self._pooled),
+                "inflight": inflight,
                 "dropped": dropped,
                 "decided": list(self._decided),  # decided since the last drain: not logged yet
                 "arrived": list(self._arrived_since),
@@ -249,24 +254,30 @@ class Pool:
                 "policy": self.policy.state_dict(),
             }
 
-    def load_state_dict(self, state: dict) -> list[Group]:
-        """Restore a checkpoint's pool. Returns the groups it counted as dropped_shutdown (in flight
-        at the checkpoint), now decided so and queued for logging: give their prompts back."""
+    def load_state_dict(self, state: dict, keep_inflight: bool = True) -> list[Group]:
+        """Restore a checkpoint's pool. Its groups in flight stay in flight (the rollout continues
+        them), or with ``keep_inflight`` False are dropped like the ones it did not keep. Returns
+        the groups counted as dropped_shutdown (in flight at the checkpoint), now decided so and
+        queued for logging: give their prompts back. (A checkpoint from before in-flight resume
+        has no "inflight": all its groups in flight were dropped.)"""
         with self._lock:
             self._pooled = PoolColumns()
             for g in state["pooled"]:
                 self._pooled.append(g)
-            self._inflight = {}
+            kept = state.get("inflight", [])
+            self._inflight = {g.id: g for g in kept} if keep_inflight else {}
             self._counts = Counter({Fate(k): n for k, n in state["counts"].items()})
+            dropped = list(state["dropped"]) + ([] if keep_inflight else kept)
+            self._counts[Fate.DROPPED_SHUTDOWN] += 0 if keep_inflight else len(kept)
             self.submitted, self.batches_formed = state["submitted"], state["batches_formed"]
             self.last_metrics = dict(state["last_metrics"])
             self._decided = list(state["decided"])
             self._arrived_since = list(state["arrived"])
-            for g in state["dropped"]:
+            for g in dropped:
                 g.fate, g.reason, g.step = Fate.DROPPED_SHUTDOWN, "checkpoint", self.batches_formed
                 self._decided.append(g)
             self.policy.load_state_dict(state["policy"])
-            return list(state["dropped"])
+            return dropped
 
     # --- accounting --------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:

@@ -85,6 +85,25 @@ class EngineFleet:
                 outputs.append(out)
         return outputs
 
+    def partial_versions(self, request_id: str, n: int):
+        """The versions of the first ``n`` output tokens of an unfinished request, from its engine's
+        output processor (the labels `CompletionOutput.weight_versions` is built from when the
+        request finishes); None if the engine holds no state for it or has labelled fewer tokens."""
+        import numpy as np
+
+        i = self._owner.get(request_id)
+        if i is None:
+            return None
+        processor = self.engines[i].output_processor
+        internal = processor.external_req_ids.get(request_id) or [request_id]
+        state = processor.request_states.get(internal[0])
+        starts = getattr(state, "weight_version_starts", None)
+        if not starts or state.detokenizer.num_output_tokens() != n:
+            return None
+        ends = [start for _, start in starts[1:]] + [n]
+        return np.repeat(np.array([int(v) for v, _ in starts], dtype=np.int32),
+                         np.array([e - s for (_, s), e in zip(starts, ends)], dtype=np.int64))
+
     def reset_prefix_cache_if_idle(self) -> None:
         for e in self.engines:
             if not e.has_unfinished_requests():

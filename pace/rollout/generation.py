@@ -29,6 +29,7 @@ class _Pending:
     responses: dict[int, Trajectory] = field(default_factory=dict)
     turns: dict[int, int] = field(default_factory=dict)  # multi-turn: response → current turn (request id suffix)
     turn_start: dict[int, int] = field(default_factory=dict)  # response → index of its current turn's first token
+    tool_wait: set[int] = field(default_factory=set)  # responses whose program is running (multi-turn)
 
     def request_id(self, i: int) -> str:
         turn = self.turns.get(i, 0)
@@ -99,6 +100,7 @@ class GenerationMixin:
                     tool_call = self.tools is not None and is_tool_stop(comp)
             left = self.cfg.rollout.max_tokens - len(traj) if tool_call else 0
             if left > 0:  # the turn ended at </code>: run the program, the response continues after it
+                pending.tool_wait.add(idx)
                 self.tools.submit((gid, idx), traj.response_ids[pending.turn_start.get(idx, 0):].tolist(), left)
             elif out.finished:
                 self._finish_response(pending, traj)

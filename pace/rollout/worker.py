@@ -31,6 +31,7 @@ from pace.rollout.errors import RolloutError
 from pace.rollout.fleet import EngineFleet
 from pace.rollout.generation import GenerationMixin
 from pace.rollout.rescoring import RescoringMixin
+from pace.rollout.resuming import ResumingMixin
 from pace.rollout.tool_turns import ToolTurnsMixin
 from pace.rollout.validating import Validation, ValidationMixin
 from pace.tasks.base import PromptSampler
@@ -38,7 +39,7 @@ from pace.tasks.base import PromptSampler
 __all__ = ["RolloutError", "RolloutWorker", "Validation"]
 
 
-class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationMixin, threading.Thread):
+class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMixin, ValidationMixin, threading.Thread):
     def __init__(self, engines, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg, val_sets: dict | None = None):
         """``engines``: an `EngineFleet` (or one vLLM `LLM`, wrapped in one)."""
         super().__init__(name="rollout", daemon=True)
@@ -87,7 +88,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
         self._next_group_id = 0
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
-                      "versions_checked": 0}
+                      "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0}
         # PACE: rescore pooled prefixes after each update (for policies that read the PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
         self._rescoring = {}
@@ -140,12 +141,13 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
     @contextlib.contextmanager
     def paused(self, timeout: float = 60.0):
         """Hold the thread between engine steps for the duration (a checkpoint reads the pool, the
-        sampler and this worker's counters as of one moment). A dead or unstarted thread is idle."""
+        sampler and this worker's counters as of one moment). A dead or unstarted thread is idle; one
+        asked to stop that is still running is stuck in an engine call and not waited for."""
         self._pause_req.set()
         self._wake.set()
         try:
             deadline = time.monotonic() + timeout
-            while self.is_alive() and not self._paused.wait(0.05):
+            while self.is_alive() and not self._stopping.is_set() and not self._paused.wait(0.05):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rollout thread did not pause within {timeout:.0f} s")
             yield
@@ -154,9 +156,12 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
             self._wake.set()
 
     def state_dict(self) -> dict:
-        """Call while `paused()`: the next group id, the validation schedule, the counters."""
+        """Call while `paused()`: the next group id, the validation schedule, the counters, and
+        (`rollout.resume_inflight`) the groups in flight (pace/rollout/resuming.py)."""
         val_next = self._val_next if self._val is None else self._val[1]  # an unfinished validation is redone
-        return {"next_group_id": self._next_group_id, "val_next": val_next, "stats": dict(self.stats)}
+        inflight = self.inflight_state() if self.cfg.rollout.resume_inflight else []
+        return {"next_group_id": self._next_group_id, "val_next": val_next, "stats": dict(self.stats),
+                "inflight": inflight, "version": self.trainer_version}
 
     def load_state_dict(self, state: dict) -> None:
         """Before `start()`."""
@@ -237,6 +242,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
                 t_loop = time.perf_counter()
                 busy = self._run_calls()
                 busy |= self._apply_update()
+                busy |= self._continue_resumed()
                 busy |= self._admit()
                 if self.engine.has_unfinished_requests():
                     t0 = time.perf_counter()
@@ -320,6 +326,11 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ValidationM
         self._maybe_validate(weights)
 
     def _abort_all(self) -> None:
+        try:  # the tokens read so far keep exact versions for a checkpoint after the stop
+            self._settle_versions()
+            self._settled = True
+        except Exception:  # noqa: BLE001 - then the checkpoint keeps none of the groups in flight
+            self._settled = False
         ids = [p.request_id(i) for p in self._pending.values() for i in range(self.group_size)]
         ids += self._rescoring_ids()
         if self._val is not None:

@@ -350,3 +350,79 @@ def test_a_prefix_score_pending_when_an_update_lands_is_redone_under_the_new_wei
             current = _hf_logprobs(new, g.prompt_ids + t.response_ids[:m].tolist(), len(g.prompt_ids))
             per_response.append(sum(abs(a - b) for a, b in zip(current, t.logprobs[:m])) / len(current))
         assert g.pfs == pytest.approx(sum(per_response) / len(per_response), abs=1e-4)
+
+
+def test_groups_in_flight_are_kept_at_a_stop_and_continued_token_for_token(llm, weights, tiny_model_path):
+    """A stop with groups in flight (the rollout stepped by hand, then stopped as its thread stops:
+    versions settled, requests aborted); the checkpoint's pool and rollout state pickled together;
+    a fresh worker on θ_1 continues them. Every kept token keeps its id, ℓ^μ and version; the
+    continuation carries version 1; the kept prefix is context, not re-sampled (the engine's
+    log-probs of the whole response, rescored, equal the recorded ones: same weights at v0 and v1);
+    the groups finish into the pool with their fates adding up."""
+    import pickle
+
+    from omegaconf import OmegaConf
+
+    from pace.config import Config
+    from pace.grading import Grader
+    from pace.pool import Pool, build_policy
+    from pace.rollout.engine import rescore
+    from pace.rollout.worker import RolloutWorker
+    from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
+    from pace.tasks.base import PromptSampler
+
+    cfg = OmegaConf.structured(Config)
+    cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = 2, 4, 3
+    cfg.rollout.max_tokens = 64
+    grader = Grader(workers=1)
+
+    def worker_with(pool):
+        sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[4]), "train"), seed=0)
+        return RolloutWorker(llm, llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
+
+    pool = Pool(build_policy(cfg), informative=lambda g: True)
+    first = worker_with(pool)
+    first._admit()
+    for _ in range(6):
+        first._consume(llm.llm_engine.step())
+    first._abort_all()  # what the thread does when it stops
+    assert not llm.llm_engine.has_unfinished_requests()
+    rollout = first.state_dict()
+    kept = rollout["inflight"]
+    assert len(kept) == 3 and pool.inflight == 3
+    blob = pickle.dumps({"pool": pool.state_dict(keep={p.group.id for p in kept}), "rollout": rollout})
+    before = {(p.group.id, i): (t.response_ids.copy(), t.logprobs.copy(), t.versions.copy(), t.completed_at)
+              for p in kept for i, t in p.responses.items()}
+    partial = [k for k, v in before.items() if v[3] < 0]
+    assert partial and all(len(before[k][0]) == 6 for k in partial), "6 engine steps: 6 tokens a response"
+
+    state = pickle.loads(blob)
+    pool2 = Pool(build_policy(cfg), informative=lambda g: True)
+    assert pool2.load_state_dict(state["pool"]) == [] and pool2.inflight == 3
+    second = worker_with(pool2)
+    second.load_state_dict(state["rollout"])
+    second.load_inflight(state["rollout"]["inflight"], version=1)
+    second.set_trainer_version(1)
+    assert not second._continue_resumed()  # not before the engine holds θ_1
+    second.post_weights(1, weights)
+    assert second._apply_update() and second._continue_resumed()
+    assert second.stats["resumed_groups"] == 3 and second.stats["resumed_tokens"] == 6 * len(partial)
+    while pool2.counts()["pooled"] + pool2.counts()["filtered"] < 3:
+        if llm.llm_engine.has_unfinished_requests():
+            second._consume(llm.llm_engine.step())
+        second._collect_grades()
+    pool2.check_accounting()
+    groups = {g.id: g for g in pool2.remaining() + pool2.drain_decided()}
+    for (gid, i), (ids, lps, vs, done) in before.items():
+        t = groups[gid].trajectories[i]
+        n = len(ids)
+        assert t.response_ids[:n].tolist() == ids.tolist() and t.logprobs[:n].tolist() == lps.tolist()
+        assert t.versions[:n].tolist() == vs.tolist() == [0] * n
+        if done >= 0:  # finished before the stop: untouched
+            assert len(t) == n and t.completed_at == done and t.resumed == 0
+        else:
+            assert t.resumed == n and t.completed_at == 1 and t.versions[n:].tolist() == [1] * (len(t) - n)
+            prompt = groups[gid].prompt_ids
+            assert rescore(llm, [(prompt + t.response_ids.tolist(), len(prompt))])[0] == pytest.approx(
+                t.logprobs.tolist(), abs=1e-4)
+    grader.close()

@@ -15,7 +15,7 @@ import time
 import pandas as pd
 import pytest
 
-from tests.conftest import ROOT, run_train, wait_for_rows
+from tests.conftest import ROOT, check_continued, check_staleness, run_train, wait_for_rows
 
 pytestmark = pytest.mark.integration
 
@@ -38,15 +38,16 @@ def _state(checkpoint):
 
 def _check_accounting(run_dir, checkpointed: bool = False):
     """One record per submitted group, each with one fate, matching the summary. A run stopped
-    into a checkpoint has no records of its pooled groups: they live on in the checkpoint."""
+    into a checkpoint has no records of its pooled groups and of those in flight: they live on in
+    the checkpoint."""
     groups = pd.read_parquet(run_dir / "groups")
     fates = _summary(run_dir)["fates"]
     assert fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted")
-    unrecorded = fates["pooled"] if checkpointed else 0
-    assert len(groups) == fates["submitted"] - unrecorded and groups["id"].is_unique
+    unrecorded = ("pooled", "inflight") if checkpointed else ()
+    assert len(groups) == fates["submitted"] - sum(fates[f] for f in unrecorded) and groups["id"].is_unique
     for fate, n in fates.items():
         if fate != "submitted":
-            assert (groups["fate"] == fate).sum() == (0 if fate == "pooled" and checkpointed else n), fate
+            assert (groups["fate"] == fate).sum() == (0 if fate in unrecorded else n), fate
     return groups
 
 
@@ -73,18 +74,20 @@ def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_p
     checkpoint = tmp_path / "checkpoints" / f"step-{v:06d}"
     assert stopped["checkpoint"] == str(checkpoint)
     assert [m["step"] for m in _metrics(tmp_path)] == list(range(v))
-    # the checkpoint's pool is what the stopped run had pooled; nothing is left in flight
+    # the checkpoint's pool is what the stopped run had pooled, and its groups in flight as they stood
     state = _state(checkpoint)
     pooled = {g.id: g for g in state["pool"]["pooled"]}
-    assert len(pooled) == stopped["fates"]["pooled"] and stopped["fates"]["inflight"] == 0
-    assert state["pool"]["dropped"] == []  # in flight at the stop: already dropped_shutdown, prompts returned
+    assert len(pooled) == stopped["fates"]["pooled"]
+    assert len(state["pool"]["inflight"]) == stopped["fates"]["inflight"] > 0 and state["pool"]["dropped"] == []
     first = _check_accounting(tmp_path, checkpointed=True)
-    assert not set(first.id) & set(pooled)  # pooled groups live on in the checkpoint, not in the records
-    assert len(state["sampler"]["returned"]) == stopped["fates"]["dropped_shutdown"]
+    kept = {g.id for g in state["pool"]["inflight"]}
+    assert not set(first.id) & (set(pooled) | kept)  # they live on in the checkpoint, not in the records
+    assert stopped["fates"]["dropped_shutdown"] == 0 and len(state["sampler"]["returned"]) == 0
 
-    proc = run_train([f"resume={tmp_path}"], tmp_path / "resume-hydra")
+    proc = run_train([f"resume={tmp_path}", "trainer.save_every=100"], tmp_path / "resume-hydra")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resuming {tmp_path} from step-{v:06d}: {len(pooled)} pooled groups" in proc.stderr
+    assert (f"resuming {tmp_path} from step-{v:06d}: {len(pooled)} pooled groups; of those in flight at the "
+            f"checkpoint {len(kept)} continued, 0 dropped") in proc.stderr
 
     summary = _summary(tmp_path)
     assert summary["status"] == "finished" and summary["steps"] == steps
@@ -100,7 +103,13 @@ def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_p
     groups = _check_accounting(tmp_path)
     consumed = groups[groups.fate == "consumed"]
     assert len(consumed) == steps * 8 and consumed.id.is_unique  # no group trained twice
-    assert summary["fates"]["dropped_shutdown"] == stopped["fates"]["dropped_shutdown"]
+    assert summary["fates"]["dropped_shutdown"] == 0
+    # the groups in flight at the stop were continued: kept tokens unchanged, token for token where
+    # the final checkpoint holds them, versions and resumed_tokens in the records; Lemma 1 on all
+    later = _state(tmp_path / "checkpoints" / f"step-{steps:06d}")
+    compared, checked = check_continued(state, groups, v, later)
+    assert compared + checked > 0 and summary["rollout"]["resumed_groups"] == len(kept)
+    check_staleness(groups)
     # every group pooled at the checkpoint is decided once in the resumed run, with the same content
     assert set(pooled) <= set(groups.id)
     again = groups.set_index("id").loc[list(pooled)]
@@ -113,23 +122,24 @@ def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_p
     assert len(segments) == 2 and len({p.name.rsplit("-", 1)[1] for p in segments}) == 1
 
 
-def test_resume_from_a_checkpoint_with_groups_in_flight(tiny_model_path, tmp_path):
-    """Guards against the path every other resume test avoids: a periodic checkpoint of an async
-    run holds groups in flight. In the resumed run they end as dropped_shutdown ("checkpoint"), their
-    prompts are drawn again first, fates add up across the resume and no group is trained twice."""
+def test_resume_without_the_groups_in_flight_drops_them(tiny_model_path, tmp_path):
+    """`rollout.resume_inflight=false` at the resume (as every checkpoint from before in-flight
+    resume): the groups in flight at a periodic checkpoint of an async run end as dropped_shutdown
+    ("checkpoint"), their prompts are drawn again first, fates add up across the resume and no
+    group is trained twice."""
     args = ["+exp=async_tiny", "trainer.steps=4", "trainer.save_every=2", "logger.mode=disabled", *SMALL]
     proc = run_train(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     checkpoint = tmp_path / "checkpoints" / "step-000002"
     state = _state(checkpoint)
-    inflight = state["pool"]["dropped"]
-    assert inflight, "nothing was in flight at the periodic checkpoint of an async run"
+    inflight = state["pool"]["inflight"]
+    assert inflight and state["pool"]["dropped"] == [], "nothing was in flight at the periodic checkpoint of an async run"
     returned = list(state["sampler"]["returned"]) + [g.prompt_id for g in inflight]
     first_new = state["rollout"]["next_group_id"]
 
-    proc = run_train([f"resume={checkpoint}"], tmp_path / "resume-hydra")  # from step 2, not the last one
+    proc = run_train([f"resume={checkpoint}", "rollout.resume_inflight=false"], tmp_path / "resume-hydra")  # from step 2
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"{len(inflight)} in flight at the checkpoint dropped (prompts returned)" in proc.stderr
+    assert f"of those in flight at the checkpoint 0 continued, {len(inflight)} dropped (prompts returned)" in proc.stderr
     assert [m["step"] for m in _metrics(tmp_path)] == [0, 1, 2, 3]
     groups = _check_accounting(tmp_path).set_index("id")
     dropped = groups.loc[[g.id for g in inflight]]
