@@ -63,10 +63,18 @@ def summarize(run_dir: str, window: int = 20) -> bool:
     fates = run.summary.get("fates")
     if fates:
         total = sum(v for k, v in fates.items() if k != "submitted")
-        # a run stopped into a checkpoint has no rows for its pooled groups: the resumed run logs them
-        held = fates.get("pooled", 0) if run.summary.get("status") != "finished" and run.summary.get("checkpoint") else 0
+        # a run stopped into a checkpoint has no rows for its pooled groups and those in flight (kept
+        # for in-flight resume): the resumed run logs them
+        stopped = run.summary.get("status") != "finished" and run.summary.get("checkpoint")
+        held = fates.get("pooled", 0) + fates.get("inflight", 0) if stopped else 0
         acct = total == fates["submitted"] == len(g) + held
-        note = f" + {held} pooled in the checkpoint" if held else ""
+        note = f" + {held} pooled or in flight in the checkpoint" if held else ""
+        resumed = run.summary.get("rollout", {}).get("resumed_groups", 0)
+        if resumed and "resumed_tokens" in g:  # groups in flight at a checkpoint, continued after a restart
+            cont = g[g.resumed_tokens.map(lambda r: r is not None and any(x > 0 for x in r))]
+            tokens = int(cont.resumed_tokens.map(sum).sum())
+            print(f"resumed: {resumed} groups in flight at a checkpoint continued after a restart; {len(cont)} of them "
+                  f"logged with {tokens} kept tokens (the rest still in flight, or complete when kept)")
         print(f"fates: {fates}  sum {total} == submitted {fates['submitted']} == rows {len(g)}{note}: {'ok' if acct else 'FAILED'}")
         ok &= acct
     return ok

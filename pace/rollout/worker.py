@@ -161,7 +161,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         val_next = self._val_next if self._val is None else self._val[1]  # an unfinished validation is redone
         inflight = self.inflight_state() if self.cfg.rollout.resume_inflight else []
         return {"next_group_id": self._next_group_id, "val_next": val_next, "stats": dict(self.stats),
-                "inflight": inflight, "version": self.trainer_version}
+                "inflight": inflight, "version": self.trainer_version, "engine_version": self.engine_version}
 
     def load_state_dict(self, state: dict) -> None:
         """Before `start()`."""

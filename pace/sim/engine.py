@@ -74,6 +74,14 @@ class SimEngine:
         return {"tokens": self.tokens, "decode_steps": self.counter, "busy_s": self.busy_s,
                 "preempted": self.preempted, "prefill_tokens": self.prefill_tokens, "rescore_s": self.rescore_s}
 
+    def open_tokens(self) -> dict[int, int]:
+        """Tokens made so far by the running sequences and not yet in their responses' spans, per
+        group id (as of this engine's last step)."""
+        out: dict[int, int] = {}
+        for group, _, start, _ in self._seqs.values():
+            out[group.id] = out.get(group.id, 0) + self.counter - start
+        return out
+
     @property
     def load(self) -> int:
         return self.n + len(self.waiting)

@@ -130,6 +130,18 @@ class Simulation:
             self.stats["events"] += 1
         self._touched.add(engine)
 
+    def _inflight_work(self) -> dict:
+        """What a preemption now would throw away without in-flight resume: the tokens generated so
+        far for the groups in flight, and the engine-GPU seconds that made them (each engine's busy
+        seconds per token so far, times its tensor-parallel GPUs)."""
+        made = [sum(o.values()) for o in (e.open_tokens() for e in self.engines)]  # running, per engine
+        for g in self.pool.remaining():
+            if g.fate is Fate.INFLIGHT:
+                made[g.engine] += sum(sum(s[1::2]) for s in g.spans)
+        tp = self.cfg.rollout.tensor_parallel_size
+        gpu_s = sum(m * tp * e.busy_s / max(e.tokens, 1) for m, e in zip(made, self.engines))
+        return {"sim/inflight_tokens": sum(made), "sim/inflight_gpu_s": gpu_s}
+
     def _push(self, t: float, kind: int, payload) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, payload))
@@ -299,6 +311,7 @@ class Simulation:
             "time/rescore": (rescore - self._last[3]) / len(self.engines),
             "sim/time_s": self.now + sync_s,  # simulated clock when the step (and its sync) is done
             "sim/preempted": sum(e.stats["preempted"] for e in self.engines),
+            **self._inflight_work(),
         })
         self._last = (self.now, tokens, busy, rescore)
         return m

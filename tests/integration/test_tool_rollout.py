@@ -204,3 +204,60 @@ def test_evaluation_runs_tool_calls_per_sample(llm):
     with_tool = [t for t in texts if "<interpreter>" in t]
     assert run.tool_calls >= len(with_tool) > 0
     assert all("</code>" in t.split("<interpreter>")[0] for t in with_tool)
+
+
+def test_a_stop_between_and_within_tool_turns_is_continued_after_a_restart(llm):
+    """Groups in flight at a stop with responses waiting on their program, and responses mid-turn
+    after a tool call, kept and continued by a fresh worker on θ_1: the programs run again and the
+    kept tokens (interpreter output included, masked) are unchanged; every response finishes with
+    its calls, masks, log-probs and versions lined up."""
+    import pickle
+
+    first, grader = _worker(llm, levels=[2, 4], groups=2)
+    first._admit()
+    import time
+
+    waiting = mid_turn = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until one response waits on its program and another runs its next turn
+        if not llm.llm_engine.has_unfinished_requests():
+            time.sleep(0.01)  # every response waits on its program
+        first._consume(llm.llm_engine.step())
+        if not mid_turn:
+            first._collect_tools()  # (a call finished: its response continues in a new turn)
+        waiting = waiting or any(p.tool_wait for p in first._pending.values())
+        mid_turn = mid_turn or any(i not in p.tool_wait and t.completed_at < 0 and t.tool_calls
+                                   for p in first._pending.values() for i, t in p.responses.items())
+        if waiting and mid_turn and any(p.tool_wait for p in first._pending.values()):
+            break
+    assert waiting and mid_turn, "no response was waiting on a program while another ran a later turn"
+    first._abort_all()
+    first.tools.close()
+    rollout = first.state_dict()
+    blob = pickle.dumps({"pool": first.pool.state_dict(keep={p.group.id for p in rollout["inflight"]}), "rollout": rollout})
+    before = {(p.group.id, i): (t.response_ids.copy(), t.logprobs.copy(), t.versions.copy(), t.tool_calls, i in p.tool_wait)
+              for p in rollout["inflight"] for i, t in p.responses.items() if t.completed_at < 0}
+
+    state = pickle.loads(blob)
+    second, grader2 = _worker(llm, levels=[2, 4], groups=2)
+    pool = second.pool
+    pool.load_state_dict(state["pool"])
+    second.load_inflight(state["rollout"]["inflight"], version=1)
+    second.set_trainer_version(1)
+    second.post_weights(1, _model_weights(llm))
+    assert second._apply_update() and second._continue_resumed()
+    groups = {g.id: g for g in _drive(second, llm)}
+    second.tools.close()
+    grader.close()
+    grader2.close()
+    pool.check_accounting()
+    for (gid, i), (ids, lps, vs, calls, was_waiting) in before.items():
+        t = groups[gid].trajectories[i]
+        n = len(ids)
+        assert t.response_ids[:n].tolist() == ids.tolist() and t.logprobs[:n].tolist() == lps.tolist()
+        assert t.versions[:n].tolist() == vs.tolist() and t.resumed == n and t.completed_at == 1
+        assert t.tool_calls >= calls + was_waiting
+        if was_waiting:  # the program it waited on ran (again): its output follows the kept tokens
+            assert len(t) > n and not t.action_mask[n]
+        assert len(_spans(t.action_mask)) == t.tool_calls if t.tool_calls else t.action_mask is None
+        assert (t.action_versions[sum(t.action_mask[:n]) if t.action_mask is not None else n:] == 1).all()

@@ -526,3 +526,34 @@ def test_state_dict_round_trip_counts_inflight_as_dropped() -> None:
     assert {g.id: g.fate for g in restored.drain_decided()} == {**undrained, 7: Fate.DROPPED_SHUTDOWN}
     # the restored pool goes on: same next batch as the original would form
     assert [g.id for g in restored.form_batch(3, timeout=0).groups] == [g.id for g in pool.form_batch(3, timeout=0).groups]
+
+
+@pytest.mark.parametrize("keep_inflight", [True, False])
+def test_groups_the_rollout_kept_stay_in_flight_across_a_checkpoint(keep_inflight) -> None:
+    """`state_dict(keep=...)`: the groups in flight whose state the rollout kept stay in flight in the
+    restored pool (the resumed run continues them); the others are dropped as before. With
+    `keep_inflight` False (rollout.resume_inflight=false at the resume) the kept ones are dropped too.
+    A checkpoint from before in-flight resume (no "inflight" entry) loads with its groups dropped."""
+    import pickle
+
+    pool = make_pool(batch_prompts=2)
+    for gid in range(3):
+        submit_and_add(pool, make_group(gid))
+    for gid in (3, 4, 5):
+        pool.on_submitted(make_group(gid))
+    state = pickle.loads(pickle.dumps(pool.state_dict(keep={3, 5})))
+    assert [g.id for g in state["inflight"]] == [3, 5] and [g.id for g in state["dropped"]] == [4]
+
+    restored = make_pool(batch_prompts=2)
+    dropped = restored.load_state_dict(state, keep_inflight=keep_inflight)
+    assert sorted(g.id for g in dropped) == ([4] if keep_inflight else [3, 4, 5])
+    c = restored.counts()
+    assert (c["inflight"], c["dropped_shutdown"]) == ((2, 1) if keep_inflight else (0, 3))
+    restored.check_accounting()
+    if keep_inflight:  # they finish into the pool as any group in flight does
+        kept = {g.id: g for g in restored.remaining() if g.fate is Fate.INFLIGHT}
+        assert restored.add(kept[3], version=1) and restored.counts()["pooled"] == 4
+        restored.check_accounting()
+
+    old = {k: v for k, v in pool.state_dict().items() if k != "inflight"}  # the format before it
+    assert [g.id for g in make_pool(batch_prompts=2).load_state_dict(old)] == [3, 4, 5]

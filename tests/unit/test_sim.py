@@ -323,3 +323,17 @@ def test_simulated_rewards_use_the_real_overlong_penalty(cap, buffer):
     lens = lens[lens >= 1]
     expect = [overlong_penalty(int(n), cap, buffer) for n in lens]
     assert _overlong(lens, cap, buffer).tolist() == pytest.approx(expect, abs=1e-15)
+
+
+def test_the_tokens_a_preemption_would_lose_are_the_engines_tokens_not_in_completed_groups():
+    """`sim/inflight_tokens` (simulate.py's estimate of what a preemption loses without in-flight
+    resume) against an independent count: every decode token the engines made is in a completed
+    group (decided or pooled) or in flight. Preemption on (the KV budget binds), three engines."""
+    decided = []
+    sim = Simulation(sim_cfg(*NOISY, "pool.name=async"), on_step=lambda step, m, d: decided.extend(d))
+    sim.run()
+    assert sum(e.stats["preempted"] for e in sim.engines) > 0
+    done = sum(g.num_tokens for g in decided) + sum(g.num_tokens for g in sim.pool.remaining() if g.fate.value == "pooled")
+    work = sim._inflight_work()
+    assert work["sim/inflight_tokens"] == sum(e.tokens for e in sim.engines) - done > 0
+    assert all(r["sim/inflight_tokens"] > 0 and r["sim/inflight_gpu_s"] > 0 for r in sim.rows)
