@@ -422,10 +422,11 @@ def _check_algo(algo) -> None:
 
 
 def _check_policy(cfg: DictConfig) -> None:
-    """A policy given by import path: importable, the protocol's methods, `pool.args` that fit."""
-    from pace.pool.policies import build_policy
+    """A policy given by import path: importable, the protocol's methods, `pool.args` that fit (its
+    constructor runs when the run builds the pool, where its errors are one line too)."""
+    from pace.pool import plugins
 
-    build_policy(cfg)  # raises PolicyError (a ConfigError) in one line
+    plugins.check(cfg.pool.name, plugins.args_of(cfg))  # raises PolicyError (a ConfigError) in one line
 
 
 def _check_schema(cfg: DictConfig) -> None:

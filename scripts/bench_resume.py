@@ -75,6 +75,7 @@ def _held_tokens(run_dir: Path, checkpoint: Path) -> tuple[int, int, int]:
 
     import pandas as pd
 
+    sys.path.insert(0, str(ROOT))  # the checkpoint holds pace's records
     g = pd.read_parquet(run_dir / "groups")
     logged = int(g.num_actions.sum())  # dropped groups are logged without tokens
     with open(checkpoint / "run_state.pkl", "rb") as f:

@@ -179,10 +179,11 @@ class Pool:
         """A policy's decision names each pooled group at most once, with a fate a policy may give
         (policies from outside the package are held to the protocol here, in one line)."""
         groups = selection.batch + [g for g, _, _ in selection.removed]
-        bad = next((f for _, f, _ in selection.removed if f not in (Fate.REJECTED, Fate.DROPPED_STALE)), None)
-        if len({g.id for g in groups}) != len(groups) or not all(g in self._pooled for g in groups) or bad:
-            what = f"fate {bad.value} (a policy removes as rejected or dropped_stale)" if bad else \
-                "a group twice, or one that is not pooled"
+        allowed = (Fate.REJECTED, Fate.DROPPED_STALE)
+        bad = next((f for _, f, _ in selection.removed if not (isinstance(f, Fate) and f in allowed)), None)
+        if len({g.id for g in groups}) != len(groups) or not all(g in self._pooled for g in groups) or bad is not None:
+            what = (f"fate {bad!r} (a policy removes groups as Fate.REJECTED or Fate.DROPPED_STALE)" if bad is not None
+                    else "a group twice, or one that is not pooled")
             raise RuntimeError(f"pool policy {type(self.policy).__name__}.select returned {what}")
 
     def abandon(self, batch: Batch, reason: str) -> None:

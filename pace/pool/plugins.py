@@ -56,12 +56,29 @@ def load(path: str) -> type:
     return cls
 
 
-def build(path: str, batch_prompts: int, max_inflight_groups: int, args: dict) -> PoolPolicy:
+def args_of(cfg) -> dict:
+    """`pool.args` as plain Python values (nested mappings and lists included)."""
+    args = getattr(cfg.pool, "args", None)
+    if args is None:
+        return {}
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(args, resolve=True) if OmegaConf.is_config(args) else dict(args)
+
+
+def check(path: str, args: dict) -> type:
+    """Importable, the protocol's methods, and a constructor that takes `pool.args`: raises
+    PolicyError in one line. Nothing is constructed."""
     cls = load(path)
     try:
-        inspect.signature(cls).bind(batch_prompts=batch_prompts, max_inflight_groups=max_inflight_groups, **args)
+        inspect.signature(cls).bind(batch_prompts=1, max_inflight_groups=1, **args)
     except TypeError as exc:
         raise PolicyError(f"pool.args={args} do not fit {cls.__name__}{inspect.signature(cls)}: {exc}") from exc
+    return cls
+
+
+def build(path: str, batch_prompts: int, max_inflight_groups: int, args: dict) -> PoolPolicy:
+    cls = check(path, args)
     try:
         policy = cls(batch_prompts=batch_prompts, max_inflight_groups=max_inflight_groups, **args)
     except Exception as exc:  # noqa: BLE001 - the user's constructor: say where it failed, in one line

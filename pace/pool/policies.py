@@ -181,7 +181,7 @@ def build_policy(cfg) -> PoolPolicy:
     common = dict(batch_prompts=cfg.data.batch_prompts, max_inflight_groups=cfg.rollout.max_inflight_groups)
     name = cfg.pool.name
     if plugins.is_import_path(name):
-        return plugins.build(name, **common, args=dict(getattr(cfg.pool, "args", None) or {}))
+        return plugins.build(name, **common, args=plugins.args_of(cfg))
     if name == "stale_k":
         return StaleKPolicy(**common, max_lag=cfg.pool.max_lag)
     if name == "gate":

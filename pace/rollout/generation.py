@@ -30,6 +30,9 @@ class _Pending:
     turns: dict[int, int] = field(default_factory=dict)  # multi-turn: response → current turn (request id suffix)
     turn_start: dict[int, int] = field(default_factory=dict)  # response → index of its current turn's first token
     tool_wait: set[int] = field(default_factory=set)  # responses whose program is running (multi-turn)
+    # response → index of the first token the model wrote after its last tool output (where the
+    # program it is writing starts); a continuation after a restart leaves it, a tool turn moves it
+    code_from: dict[int, int] = field(default_factory=dict)
 
     def request_id(self, i: int) -> str:
         turn = self.turns.get(i, 0)
@@ -101,7 +104,7 @@ class GenerationMixin:
             left = self.cfg.rollout.max_tokens - len(traj) if tool_call else 0
             if left > 0:  # the turn ended at </code>: run the program, the response continues after it
                 pending.tool_wait.add(idx)
-                self.tools.submit((gid, idx), traj.response_ids[pending.turn_start.get(idx, 0):].tolist(), left)
+                self.tools.submit((gid, idx), traj.response_ids[pending.code_from.get(idx, 0):].tolist(), left)
             elif out.finished:
                 self._finish_response(pending, traj)
 

@@ -39,30 +39,36 @@ class ResumingMixin:
         alive = self.is_alive()
         if alive and self._stopping.is_set():  # asked to stop and still running: stuck in an engine call
             return []
-        if alive:
-            self._settle_versions()
-        elif not self._settled:  # it stopped without making the versions exact (or never ran)
+        unlabelled = self._settle_versions(cut=False) if alive else set()
+        if not alive and not self._settled:  # it stopped without making the versions exact (or never ran)
             return []
-        return list(self._pending.values()) + [group for group, _ in self._grading]
+        return [p for p in self._pending.values() if p.group.id not in unlabelled] + [g for g, _ in self._grading]
 
-    def _settle_versions(self) -> None:
+    def _settle_versions(self, cut: bool) -> set[int]:
         """The tokens read so far of every unfinished request take vLLM's per-token versions (from
-        its output processor). Call between engine steps, before the requests are aborted."""
+        its output processor). Call between engine steps. Out of process, a request's tokens that
+        have no labels are cut from the response when ``cut`` (its request is about to be aborted);
+        otherwise (the request runs on) its group is returned, to be left out of a snapshot."""
+        unlabelled = set()
         for pending in self._pending.values():
             for idx, traj in pending.responses.items():
                 if traj.completed_at >= 0 or idx in pending.tool_wait:
                     continue  # finished, or between turns: its versions are final already
                 start = pending.turn_start.get(idx, 0)
                 versions = self.engine.partial_versions(pending.request_id(idx), len(traj) - start)
-                if versions is None:  # no labels for this turn's tokens: keep the response up to the turn
-                    if not self.engine.in_process and len(traj) > start:  # (in process, the stamps are exact)
+                if versions is None:  # (in process the stamps are exact: nothing to do)
+                    if not self.engine.in_process and len(traj) > start:
+                        if not cut:
+                            unlabelled.add(pending.group.id)
+                            continue
                         self.stats["resume_unlabelled_tokens"] += len(traj) - start
-                        traj.truncate(start)
+                        traj.truncate(start)  # the response goes on from its request's start
                     continue
                 if self.engine.in_process and not np.array_equal(versions, traj.versions[start:]):
                     raise VersionMismatch(f"weight versions {versions.tolist()} disagree with the rollout's stamps "
                                           f"{traj.versions[start:].tolist()} (request {pending.request_id(idx)})")
                 traj.versions[start:] = versions
+        return unlabelled
 
     # --- after a restart ---------------------------------------------------------------------
     def load_inflight(self, kept: list, version: int) -> None:
@@ -84,25 +90,56 @@ class ResumingMixin:
             self._pending[item.group.id] = item
             for idx in range(self.group_size):
                 traj = item.responses.get(idx)
-                if traj is None or len(traj) == 0:  # not started: from the prompt
-                    item.responses.pop(idx, None)
-                    item.turns.pop(idx, None)
-                    item.turn_start.pop(idx, None)
-                    prompt = {"prompt_token_ids": item.group.prompt_ids, "cache_salt": self._salt()}
-                    self.engine.add_request(item.request_id(idx), prompt, self.params, group=f"g{item.group.id}")
+                if traj is None or len(traj) == 0:  # not started
+                    self._restart(item, idx)
                     continue
                 if traj.completed_at >= 0:
                     continue  # finished before the checkpoint
-                traj.resumed = len(traj)
-                self.stats["resumed_tokens"] += len(traj)
                 if idx in item.tool_wait:  # its program was running: run it again
-                    start = item.turn_start.get(idx, 0)
-                    self.tools.submit((item.group.id, idx), traj.response_ids[start:].tolist(),
+                    self._keep(traj)
+                    self.tools.submit((item.group.id, idx), traj.response_ids[item.code_from.get(idx, 0):].tolist(),
                                       self.cfg.rollout.max_tokens - len(traj))
-                else:
-                    self._continue(item, idx)
+                    continue
+                self._cut_partial_stop(item, idx)
+                if len(traj) == 0:  # nothing left to keep
+                    self._restart(item, idx)
+                    continue
+                self._keep(traj)
+                self._continue(item, idx)
             self.stats["resumed_groups"] += 1
         return True
+
+    def _restart(self, pending, idx: int) -> None:
+        """Response ``idx`` from its prompt, as if it had not started."""
+        for state in (pending.responses, pending.turns, pending.turn_start, pending.code_from):
+            state.pop(idx, None)
+        prompt = {"prompt_token_ids": pending.group.prompt_ids, "cache_salt": self._salt()}
+        self.engine.add_request(pending.request_id(idx), prompt, self.params, group=f"g{pending.group.id}")
+
+    def _keep(self, traj) -> None:
+        traj.resumed = len(traj)
+        self.stats["resumed_tokens"] += len(traj)
+
+    def _cut_partial_stop(self, pending, idx: int) -> None:
+        """A tool response whose kept text ends within `</code>` (say with `</co`) would never stop
+        there: vLLM matches stop strings in a request's own output only. Its tokens from the one
+        holding the start of that partial stop string on are dropped (generated again)."""
+        traj = pending.responses[idx]
+        if self.tools is None or not self.tools.turn_kwargs(traj.tool_calls):
+            return  # no stop string in this turn
+        from pace.tools.protocol import CODE_STOP
+
+        start = pending.code_from.get(idx, 0)
+        ids = traj.response_ids[start:].tolist()
+        text = self.tokenizer.decode(ids)
+        k = next((k for k in range(len(CODE_STOP) - 1, 0, -1) if text.endswith(CODE_STOP[:k])), 0)
+        if k == 0:
+            return
+        m = len(ids)
+        while m > 0 and len(self.tokenizer.decode(ids[:m])) > len(text) - k:
+            m -= 1
+        self.stats["resume_cut_tokens"] += len(ids) - m
+        traj.truncate(start + m)
 
     def _salt(self) -> str:
         from pace.rollout import engine as engine_lib

@@ -34,16 +34,17 @@ class ToolTurnsMixin:
                 traj.finish_reason = "length"
                 self._finish_response(pending, traj)
                 continue
+            pending.code_from[idx] = len(traj)  # the model writes on after the interpreter's output
             self._continue(pending, idx)
         return bool(done)
 
     def _continue(self, pending, idx: int) -> None:
-        """Generate the rest of response ``idx`` as a new turn: prompt + the response so far
+        """Generate the rest of response ``idx`` as a new request: prompt + the response so far
         (prefilled, not sampled), the rest of the `max_tokens` budget, salted with the weights now
         loaded. After a tool call, and for a response kept across a restart (pace/rollout/resuming.py)."""
         traj = pending.responses[idx]
         pending.turns[idx] = pending.turns.get(idx, 0) + 1
-        pending.turn_start[idx] = len(traj)
+        pending.turn_start[idx] = len(traj)  # vLLM's spans of this request start here
         prompt = {"prompt_token_ids": pending.group.prompt_ids + traj.response_ids.tolist(),
                   "cache_salt": engine_lib.cache_salt(self.engine_version)}
         params = self._turn_params(self.cfg.rollout.max_tokens - len(traj), calls=traj.tool_calls)

@@ -88,7 +88,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._next_group_id = 0
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
-                      "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0}
+                      "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0,
+                      "resume_cut_tokens": 0}
         # PACE: rescore pooled prefixes after each update (for policies that read the PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
         self._rescoring = {}
@@ -327,7 +328,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
 
     def _abort_all(self) -> None:
         try:  # the tokens read so far keep exact versions for a checkpoint after the stop
-            self._settle_versions()
+            self._settle_versions(cut=True)
             self._settled = True
         except Exception:  # noqa: BLE001 - then the checkpoint keeps none of the groups in flight
             self._settled = False

@@ -385,6 +385,10 @@ def test_groups_in_flight_are_kept_at_a_stop_and_continued_token_for_token(llm, 
     first._admit()
     for _ in range(6):
         first._consume(llm.llm_engine.step())
+    # vLLM's labels of the tokens read so far (what a stop keeps) equal the in-process stamps
+    labelled = [(first.engine.partial_versions(p.request_id(i), len(t)), t.versions)
+                for p in first._pending.values() for i, t in p.responses.items() if t.completed_at < 0]
+    assert labelled and all(v is not None and v.tolist() == s.tolist() == [0] * 6 for v, s in labelled)
     first._abort_all()  # what the thread does when it stops
     assert not llm.llm_engine.has_unfinished_requests()
     rollout = first.state_dict()

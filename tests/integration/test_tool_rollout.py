@@ -213,6 +213,9 @@ def test_a_stop_between_and_within_tool_turns_is_continued_after_a_restart(llm):
     its calls, masks, log-probs and versions lined up."""
     import pickle
 
+    from pace.tools.protocol import CODE_STOP
+    from pace.tools.runner import NO_CODE
+
     first, grader = _worker(llm, levels=[2, 4], groups=2)
     first._admit()
     import time
@@ -231,6 +234,18 @@ def test_a_stop_between_and_within_tool_turns_is_continued_after_a_restart(llm):
         if waiting and mid_turn and any(p.tool_wait for p in first._pending.values()):
             break
     assert waiting and mid_turn, "no response was waiting on a program while another ran a later turn"
+    tok = llm.get_tokenizer()
+
+    def writing_now():  # responses stopped while writing a program (not waiting on one)
+        return {(p.group.id, i) for p in first._pending.values() for i, t in p.responses.items()
+                if t.completed_at < 0 and i not in p.tool_wait
+                and "<code>" in tok.decode(t.response_ids[p.code_from.get(i, 0):].tolist())}
+
+    for _ in range(60):  # on into the later turns until a program is being written; no call collected
+        if writing_now() and any(p.tool_wait for p in first._pending.values()):
+            break
+        first._consume(llm.llm_engine.step())
+    writing = writing_now()
     first._abort_all()
     first.tools.close()
     rollout = first.state_dict()
@@ -253,11 +268,40 @@ def test_a_stop_between_and_within_tool_turns_is_continued_after_a_restart(llm):
     pool.check_accounting()
     for (gid, i), (ids, lps, vs, calls, was_waiting) in before.items():
         t = groups[gid].trajectories[i]
-        n = len(ids)
-        assert t.response_ids[:n].tolist() == ids.tolist() and t.logprobs[:n].tolist() == lps.tolist()
-        assert t.versions[:n].tolist() == vs.tolist() and t.resumed == n and t.completed_at == 1
+        n = t.resumed  # the kept tokens, less any that ended within `</code>` (cut, generated again)
+        assert len(ids) - len(CODE_STOP) < n <= len(ids) and t.completed_at == 1
+        assert t.response_ids[:n].tolist() == ids[:n].tolist() and t.logprobs[:n].tolist() == lps[:n].tolist()
+        assert t.versions[:n].tolist() == vs[:n].tolist()
         assert t.tool_calls >= calls + was_waiting
         if was_waiting:  # the program it waited on ran (again): its output follows the kept tokens
-            assert len(t) > n and not t.action_mask[n]
+            assert n == len(ids) and len(t) > n and not t.action_mask[n]
+        if (gid, i) in writing and t.tool_calls > calls:  # it went on writing its program, which then ran
+            start, end = next(span for span in _spans(t.action_mask) if span[0] >= n)  # as written before and after
+            assert NO_CODE not in tok.decode(t.response_ids[start:end])
         assert len(_spans(t.action_mask)) == t.tool_calls if t.tool_calls else t.action_mask is None
         assert (t.action_versions[sum(t.action_mask[:n]) if t.action_mask is not None else n:] == 1).all()
+    assert writing, "no response was stopped while writing a program"
+
+
+def test_a_response_kept_within_the_code_stop_string_is_cut_before_it(llm):
+    """vLLM matches a stop string in a request's own output only: kept text ending with `</co` (or
+    `<`) would never stop at `</code>` once continued. The tokens holding the partial stop string
+    are cut (generated again); text without one is kept whole."""
+    from pace.records import Group, Trajectory
+    from pace.rollout.generation import _Pending
+    from pace.tools.protocol import CODE_STOP
+
+    worker, grader = _worker(llm, levels=[2], groups=1)
+    tok = llm.get_tokenizer()
+    for text, partial in (("<code>\nprint(2)\n</co", 4), ("<code>\nx = 3 <", 1), ("<code>\nprint(2)\n", 0),
+                          ("<code>\nprint(2)\n</code", 6)):
+        ids = tok(text, add_special_tokens=False).input_ids
+        traj = Trajectory(ids, [-0.1] * len(ids), [0] * len(ids))
+        worker._cut_partial_stop(_Pending(Group(0, "p", [1], "2", 0), 1, {0: traj}), 0)
+        kept = tok.decode(traj.response_ids.tolist())
+        assert text.startswith(kept) and len(kept) <= len(text) - partial, (text, kept)
+        assert not any(kept.endswith(CODE_STOP[:k]) for k in range(1, len(CODE_STOP))), (text, kept)
+        if partial == 0:
+            assert len(traj) == len(ids)
+    worker.tools.close()
+    grader.close()

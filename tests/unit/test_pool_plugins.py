@@ -38,6 +38,12 @@ class Fussy(PoolPolicy):
             raise ValueError("width must be >= 1")
 
 
+class Nested(PoolPolicy):
+    def __init__(self, batch_prompts, max_inflight_groups, table: dict | None = None, order: list | None = None):
+        super().__init__(batch_prompts, max_inflight_groups)
+        self.table, self.order = table, order
+
+
 class ReadsPfs(PoolPolicy):
     def pfs_candidates(self, pooled, step):
         return pooled.slots()
@@ -63,8 +69,6 @@ def cfg_of(*overrides: str):
     (["pool.name=examples.pool_policies.freshest:"], "an import path is module.path:ClassName"),
     ([f"pool.name={HERE}:Fussy", "pool.args.size=2"], "pool.args={'size': 2} do not fit Fussy(batch_prompts, "
                                                       "max_inflight_groups, width: 'int' = 1): got an unexpected keyword argument 'size'"),
-    ([f"pool.name={HERE}:Fussy", "pool.args.width=0"], f"pool.name={HERE}:Fussy: Fussy(pool.args={{'width': 0}}) "
-                                                       "raised ValueError: width must be >= 1"),
     (["pool.name=pace", "pool.args.keep=2"], "pool.args={'keep': 2} is for a policy given by import path"),
 ])
 def test_a_policy_that_cannot_be_used_fails_validation_in_one_line(overrides, message):
@@ -74,11 +78,26 @@ def test_a_policy_that_cannot_be_used_fails_validation_in_one_line(overrides, me
     assert message in text and "\n" not in text, text
 
 
+def test_a_constructor_that_raises_fails_in_one_line_when_the_pool_is_built():
+    cfg = cfg_of(f"pool.name={HERE}:Fussy", "pool.args.width=0")
+    validate(cfg)  # validation imports and checks the signature; it constructs nothing
+    with pytest.raises(ConfigError, match=r"^pool.name=tests.unit.test_pool_plugins:Fussy: Fussy\(pool.args=\{'width': 0\}\) "
+                                          r"raised ValueError: width must be >= 1$"):
+        build_policy(cfg)
+
+
 def test_a_policy_by_import_path_is_built_with_its_args():
     cfg = cfg_of(f"pool.name={EXAMPLE}", "pool.args.keep=3", "data.batch_prompts=4")
     validate(cfg)
     policy = build_policy(cfg)
     assert type(policy) is FreshestPolicy and policy.cap == 12 and policy.batch_prompts == 4
+
+
+def test_nested_args_reach_the_policy_as_plain_python():
+    cfg = cfg_of(f"pool.name={HERE}:Nested", "pool.args.table={a: [1, 2]}", "pool.args.order=[3, 1]")
+    validate(cfg)
+    policy = build_policy(cfg)
+    assert type(policy.table) is dict and type(policy.table["a"]) is list and policy.order == [3, 1]
 
 
 def test_the_rollout_rescores_only_for_policies_that_read_the_pfs():
@@ -153,12 +172,15 @@ class Careless(PoolPolicy):
         first = pooled.first(self.batch_prompts)
         if self.mistake == "twice":
             return Selection(batch=first, removed=[(first[0], Fate.REJECTED, "")])
-        return Selection(batch=first[1:], removed=[(first[0], Fate.CONSUMED, "")])
+        fate = Fate.CONSUMED if self.mistake == "fate" else "rejected"  # a fate, or a plain string
+        return Selection(batch=first[1:], removed=[(first[0], fate, "")])
 
 
 @pytest.mark.parametrize("mistake, message", [
     ("twice", "Careless.select returned a group twice, or one that is not pooled"),
-    ("fate", "Careless.select returned fate consumed (a policy removes as rejected or dropped_stale)"),
+    ("fate", "Careless.select returned fate <Fate.CONSUMED: 'consumed'> (a policy removes groups as Fate.REJECTED "
+             "or Fate.DROPPED_STALE)"),
+    ("str", "Careless.select returned fate 'rejected' (a policy removes groups as Fate.REJECTED or Fate.DROPPED_STALE)"),
 ])
 def test_the_pool_refuses_a_decision_outside_the_protocol(mistake, message):
     pool = Pool(Careless(2, 8, mistake), informative=lambda g: True)
