@@ -245,13 +245,20 @@ def test_a_stop_between_and_within_tool_turns_is_continued_after_a_restart(llm):
         if writing_now() and any(p.tool_wait for p in first._pending.values()):
             break
         first._consume(llm.llm_engine.step())
-    writing = writing_now()
     first._abort_all()
     first.tools.close()
+    if not writing_now():  # none stopped mid-program this time: stop one a few tokens earlier, before its </code>
+        p, i = next((p, i) for p in first._pending.values() for i in p.tool_wait)
+        t = p.responses[i]
+        while "</code>" in tok.decode(t.response_ids[p.code_from.get(i, 0):].tolist()):
+            t.truncate(len(t) - 1)
+        p.tool_wait.discard(i)
+    writing = writing_now()
     rollout = first.state_dict()
-    blob = pickle.dumps({"pool": first.pool.state_dict(keep={p.group.id for p in rollout["inflight"]}), "rollout": rollout})
+    kept = {getattr(item, "group", item).id for item in rollout["inflight"]}  # generating, or complete and grading
+    blob = pickle.dumps({"pool": first.pool.state_dict(keep=kept), "rollout": rollout})
     before = {(p.group.id, i): (t.response_ids.copy(), t.logprobs.copy(), t.versions.copy(), t.tool_calls, i in p.tool_wait)
-              for p in rollout["inflight"] for i, t in p.responses.items() if t.completed_at < 0}
+              for p in rollout["inflight"] if hasattr(p, "group") for i, t in p.responses.items() if t.completed_at < 0}
 
     state = pickle.loads(blob)
     second, grader2 = _worker(llm, levels=[2, 4], groups=2)
