@@ -318,7 +318,7 @@ def validate(cfg: DictConfig) -> None:
     _check_schema(cfg)
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
-        if key == "pool.name" and ":" in value:
+        if key == "pool.name" and _import_path(value):
             _check_policy(cfg)
         elif value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
@@ -352,7 +352,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"eval.best_within must be >= 0 or null, got {cfg.eval.best_within}")
     if cfg.trainer.mini_batches > cfg.data.batch_prompts:
         raise ConfigError("trainer.mini_batches must be <= data.batch_prompts (mini-batches split groups)")
-    if cfg.pool.get("args") and ":" not in cfg.pool.name:
+    if cfg.pool.get("args") and not _import_path(cfg.pool.name):
         raise ConfigError(f"pool.args={dict(cfg.pool.args)} is for a policy given by import path; "
                           f"pool.name={cfg.pool.name} takes its settings from its own keys")
     if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:
@@ -419,6 +419,12 @@ def _check_algo(algo) -> None:
         raise ConfigError(f"algo.is_threshold_lower={low}: needs algo.is_correction=mis and 0 <= it < algo.is_threshold")
     if not (algo.m2_threshold > 0 and 0 <= algo.m2po_eps_low_min <= 1 and algo.m2po_eps_high_max >= 0):
         raise ConfigError("algo.m2_threshold must be > 0, algo.m2po_eps_low_min in [0, 1], algo.m2po_eps_high_max >= 0")
+
+
+def _import_path(name: str) -> bool:
+    from pace.pool.plugins import is_import_path
+
+    return is_import_path(name)
 
 
 def _check_policy(cfg: DictConfig) -> None:

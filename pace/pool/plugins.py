@@ -91,4 +91,4 @@ def build(path: str, batch_prompts: int, max_inflight_groups: int, args: dict) -
 
 def reads_pfs(policy) -> bool:
     """Does the policy rank by the Prefix Forgetting Score (so the rollout rescores for it)?"""
-    return type(policy).pfs_candidates is not PoolPolicy.pfs_candidates if hasattr(policy, "pfs_candidates") else False
+    return getattr(type(policy), "pfs_candidates", PoolPolicy.pfs_candidates) is not PoolPolicy.pfs_candidates

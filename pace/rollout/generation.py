@@ -73,10 +73,14 @@ class GenerationMixin:
             self.pool.on_submitted(group)
             self._pending[group.id] = _Pending(group, self.group_size)
             for i in range(self.group_size):
-                prompt = {"prompt_token_ids": group.prompt_ids, "cache_salt": engine_lib.cache_salt(self.engine_version)}
-                self.engine.add_request(f"g{group.id}-{i}", prompt, self.params, group=f"g{group.id}")
+                self._start_response(self._pending[group.id], i)
             started = True
         return started
+
+    def _start_response(self, pending: _Pending, i: int) -> None:
+        """Response ``i`` from the prompt, salted with the weights loaded now."""
+        prompt = {"prompt_token_ids": pending.group.prompt_ids, "cache_salt": engine_lib.cache_salt(self.engine_version)}
+        self.engine.add_request(pending.request_id(i), prompt, self.params, group=f"g{pending.group.id}")
 
     def _consume(self, outputs) -> None:
         version = self.engine_version  # every token of this step came from these weights (in-process)

@@ -113,8 +113,7 @@ class ResumingMixin:
         """Response ``idx`` from its prompt, as if it had not started."""
         for state in (pending.responses, pending.turns, pending.turn_start, pending.code_from):
             state.pop(idx, None)
-        prompt = {"prompt_token_ids": pending.group.prompt_ids, "cache_salt": self._salt()}
-        self.engine.add_request(pending.request_id(idx), prompt, self.params, group=f"g{pending.group.id}")
+        self._start_response(pending, idx)
 
     def _keep(self, traj) -> None:
         traj.resumed = len(traj)
@@ -140,8 +139,3 @@ class ResumingMixin:
             m -= 1
         self.stats["resume_cut_tokens"] += len(ids) - m
         traj.truncate(start + m)
-
-    def _salt(self) -> str:
-        from pace.rollout import engine as engine_lib
-
-        return engine_lib.cache_salt(self.engine_version)
