@@ -193,6 +193,14 @@ def main(cfg: DictConfig) -> None:
     except SyncMismatch as exc:  # checkpointed; the cause in one line
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
+    except RuntimeError as exc:  # a RolloutError too
+        from pace.rollout.remote import EngineFailed
+
+        failed = exc if isinstance(exc, EngineFailed) else exc.__cause__
+        if not isinstance(failed, EngineFailed):
+            raise
+        print(f"error: {failed}", file=sys.stderr)  # checkpointed; the engine and the cause in one line
+        sys.exit(1)
 
 
 def run(cfg: DictConfig) -> None:
@@ -271,7 +279,7 @@ def run(cfg: DictConfig) -> None:
         deafen_children()
         grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                         max_failed_in_row=cfg.reward.max_failed_in_row)
-        llm = engine_lib.build_fleet(model_path, cfg, device, world)
+        llm = engine_lib.build_fleet(model_path, cfg, device, world, tokenizer=tokenizer, log_dir=run_dir)
         if val_sets is not None:
             from pace.validation import BestCheckpoint, Validations
 
@@ -294,8 +302,10 @@ def run(cfg: DictConfig) -> None:
     checkpointer.weights = sync.weights  # a checkpoint keeps θ_version as a model directory
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)
+    if checkpoint is not None or engine_lib.engine_mode(cfg.rollout, device, world) == "server":
+        # the engines start from θ_version (a server may hold an earlier run's weights)
         sync.prepare(trainer.version)
-        sync.publish(trainer.version)  # the engines start from θ_version
+        sync.publish(trainer.version)
     if main_rank:
         rollout.set_trainer_version(trainer.version)
         rollout.start()
@@ -382,13 +392,13 @@ def run(cfg: DictConfig) -> None:
     finally:
         bar.close()
         if main_rank:
-            rollout.stop(timeout=STOP_WAIT_S if stop.requested else 30.0)
+            rollout.stop(timeout=STOP_WAIT_S if stop.requested or status == "failed" else 30.0)
             grader.close()
             if saved is None:  # nothing went into a checkpoint: log what is left as pooled/in flight
                 logger.log_groups(pool.drain_decided(), step=-1)
             counts = pool.counts()
             summary = {"status": status, "steps": trainer.version, "fates": counts, "rollout": dict(rollout.stats),
-                       "processes": world, "engine_process": "inproc" if rollout.engine.in_process else "child",
+                       "processes": world, "engine_process": engine_lib.engine_mode(cfg.rollout, device, world),
                        "train/nonfinite_skipped": trainer.nonfinite_skipped,
                        "checkpoint": str(saved or checkpointer.last) if (saved or checkpointer.last) else None,
                        "resumed_from": str(checkpoint) if checkpoint is not None else None}

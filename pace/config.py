@@ -95,7 +95,19 @@ class RolloutConfig:
     # vLLM engines of `tensor_parallel_size` GPUs each; their cores run in this process (inproc)
     # or in their own (child). auto: inproc for one trainer process on CPU, else child.
     engines: int = 1
-    engine_process: str = "auto"  # auto | inproc | child
+    engine_process: str = "auto"  # auto | inproc | child | server
+    # server: the engines are vLLM HTTP servers (pace/rollout/remote.py, README "Rollout engines on
+    # other nodes"): these URLs (http://host:port, started by scripts/launch_rollout_server.sh on any
+    # host), or, when empty, `engines` servers this run starts on 127.0.0.1 and stops at its end
+    servers: list[str] = field(default_factory=list)
+    # a server that dies, stalls or fails its health checks: continue on the others (its requests
+    # go to a live one; warning, `rollout/engines_alive`) | stop (checkpoint, the cause named)
+    on_engine_failure: str = "continue"
+    engine_timeout_s: float = 120.0  # server mode: no output for this long with requests in flight = failed
+    server_start_timeout_s: float = 900.0  # server mode: servers this run starts must answer /health by then
+    # server mode, nccl/gloo weight transfer: the address of trainer rank 0 the servers connect to
+    # (null: 127.0.0.1 when every server is on this host, else this host's address toward the first)
+    transfer_address: Optional[str] = None
     # GPU: separate (engines on GPUs of their own: `gpus`, default the ones after the trainer's)
     # or colocate (the engines share rank 0's GPU with the trainer: a single-GPU run).
     placement: str = "separate"
@@ -294,7 +306,8 @@ _CHOICES = {
     "algo.filter_on": ("acc", "reward"),
     "logger.mode": ("online", "offline", "disabled"),
     "rollout.cpu_threads_bind": ("nobind", "auto"),
-    "rollout.engine_process": ("auto", "inproc", "child"),
+    "rollout.engine_process": ("auto", "inproc", "child", "server"),
+    "rollout.on_engine_failure": ("continue", "stop"),
     "rollout.placement": ("separate", "colocate"),
     "rollout.weight_transfer": ("auto", "shm", "nccl", "ipc", "gloo"),
     "trainer.grad_sync": ("auto", "every", "last"),
@@ -400,8 +413,17 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"reward.max_failed_in_row must be >= 0 (0: never stop), got {cfg.reward.max_failed_in_row}")
     if cfg.rollout.engine_process == "inproc" and cfg.rollout.engines != 1:
         raise ConfigError("rollout.engine_process=inproc runs one engine: set rollout.engines=1 or engine_process=child")
-    if cfg.rollout.deterministic and cfg.rollout.engine_process == "child":
+    if cfg.rollout.deterministic and cfg.rollout.engine_process in ("child", "server"):
         raise ConfigError("rollout.deterministic needs the engine stepped by the rollout thread: rollout.engine_process=inproc")
+    if cfg.rollout.servers and cfg.rollout.engine_process != "server":
+        raise ConfigError("rollout.servers are used with rollout.engine_process=server")
+    bad = [u for u in cfg.rollout.servers if not str(u).startswith(("http://", "https://"))]
+    if bad:
+        raise ConfigError(f"rollout.servers: {bad[0]!r} is not a URL (http://host:port)")
+    if cfg.rollout.engine_process == "server" and cfg.rollout.weight_transfer == "ipc":
+        raise ConfigError("rollout.weight_transfer=ipc shares one GPU in one host's processes: not with rollout.engine_process=server")
+    if cfg.rollout.engine_timeout_s <= 0:
+        raise ConfigError(f"rollout.engine_timeout_s must be > 0, got {cfg.rollout.engine_timeout_s}")
 
 
 def _check_algo(algo) -> None:

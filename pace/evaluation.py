@@ -185,6 +185,20 @@ class EvalRun:
                 prompt = {"prompt": p.text} if salt is None else {"prompt": p.text, "cache_salt": salt}
                 engine.add_request(rid, prompt, self.params, priority=priority)
 
+    def resubmit(self, engine, request_id: str) -> None:
+        """Send a request again as it was first sent (its engine failed: pace/rollout/failover.py)."""
+        key = self._requests.pop(request_id)
+        if self.tools is not None:
+            prompt_ids, response, turn, own = self._turns[key]
+            self._add_turn(key, prompt_ids, response, turn, own)
+            return
+        name, i = key
+        self._requests[request_id] = key
+        prompt = {"prompt": self.sets[name][i].text}
+        if self._salt is not None:
+            prompt["cache_salt"] = self._salt
+        engine.add_request(request_id, prompt, self.params, priority=self._priority)
+
     def owns(self, request_id: str) -> bool:
         return request_id in self._requests
 

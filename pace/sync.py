@@ -38,25 +38,12 @@ class WeightSync:
         self.acc = trainer.acc
         source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype))
         rank = self.acc.process_index
+        self.cfg, self.rollout, self.source = cfg, rollout, source
         if self.backend == transfer.BACKEND:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
             self.engine = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
-        elif self.backend == "nccl":
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
-
-            workers = cfg.rollout.engines * cfg.rollout.tensor_parallel_size
-            port = _free_port() if rank == 0 else 0
-            info = NCCLTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port, world_size=1 + workers)
-            self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
-                info, client=None if rollout is None else BlockingClient(rollout), source=source)
-        elif self.backend == "gloo":  # the NCCL protocol over TCP (pace/rollout/gloo.py): CPU engines in child processes
-            from pace.rollout.gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
-
-            workers = cfg.rollout.engines * cfg.rollout.tensor_parallel_size
-            info = GlooTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=_free_port() if rank == 0 else 0,
-                                       world_size=1 + workers)
-            self.engine = GlooTrainerWeightTransferEngine.trainer_init(
-                info, client=None if rollout is None else BlockingClient(rollout), source=source)
+        elif self.backend in ("nccl", "gloo"):  # gloo: the NCCL protocol over TCP (pace/rollout/gloo.py)
+            self.engine = self._connect(rank)
         elif self.backend == "ipc":  # colocated: the engine maps the trainer's CUDA tensors (no copy)
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
@@ -66,6 +53,26 @@ class WeightSync:
             raise ValueError(f"rollout.weight_transfer: unknown backend {self.backend!r}")
         self._update, self._version = None, None
         self._written: tuple[int, dict] | None = None  # (version, slot info) of the last θ written
+
+    def _connect(self, rank: int):
+        """The trainer side of the nccl/gloo group of trainer rank 0 and every engine worker (the
+        rendezvous at rank 0's `transfer_address`); rank 0 has the engines join it."""
+        if self.backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as Info
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine as Engine
+        else:
+            from pace.rollout.gloo import GlooTrainerInitInfo as Info
+            from pace.rollout.gloo import GlooTrainerWeightTransferEngine as Engine
+        fleet = None if self.rollout is None else self.rollout.engine
+        if hasattr(fleet, "transfer_workers"):  # servers: the ranks of the live ones
+            workers = fleet.transfer_workers()
+        else:
+            workers = self.cfg.rollout.engines * self.cfg.rollout.tensor_parallel_size
+        info = Info(rank=rank, master_address=transfer_address(self.cfg.rollout), master_port=_free_port() if rank == 0 else 0,
+                    world_size=1 + workers)
+        if self.rollout is not None and getattr(self, "_client", None) is None:
+            self._client = BlockingClient(self.rollout)  # one for the run: a regroup keeps its state
+        return Engine.trainer_init(info, client=None if self.rollout is None else self._client, source=self.source)
 
     def prepare(self, version: int) -> None:
         """shm: every rank materialises θ, rank 0 writes it into a slot (the engines go on with
@@ -103,11 +110,31 @@ class WeightSync:
                 self.engine.client.post_update(version, self._update)
         else:
             if self.engine.is_sender:
+                self._regroup()
                 self.engine.client.version = version
                 self.engine.client.start_weight_update()  # may wait for a validation; send_weights' call is then a no-op
+                self._regroup()  # a server lost while the update started
             self.barrier()
-            self.engine.send_weights()
+            fleet = getattr(self.rollout, "engine", None)
+            known = set() if not hasattr(fleet, "alive") else set(fleet.alive)
+            try:
+                self.engine.send_weights()
+            except Exception as exc:
+                failed = fleet.wait_failed(known) if hasattr(fleet, "wait_failed") else None
+                if failed is None:
+                    raise
+                self.engine.shutdown()  # the group's connections close: the live engines' receive fails, not waits
+                from pace.rollout.remote import EngineFailed
+
+                raise EngineFailed(f"rollout engine {failed.index} ({failed.url}) failed during the weight broadcast "
+                                   f"({type(exc).__name__}): the run stops; resume= goes on with the engines alive") from exc
         self._update = None
+
+    def _regroup(self) -> None:
+        """Server mode, rank 0: after a server failed, the group is formed again by the live ones."""
+        if getattr(getattr(self.rollout, "engine", None), "needs_regroup", False):
+            self.engine.shutdown()
+            self.engine = self._connect(0)
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -158,6 +185,23 @@ class BlockingClient:
 def _shared_token(acc) -> str:
     """A name for this run's shared-memory slots (rank 0's pid)."""
     return f"{os.getpid()}" if acc.is_main_process else "-"
+
+
+def transfer_address(rollout_cfg) -> str:
+    """Where the engines reach trainer rank 0 for nccl/gloo: `rollout.transfer_address`, else
+    127.0.0.1 when every engine is on this host, else this host's address on the route to the first
+    remote server."""
+    from urllib.parse import urlparse
+
+    if rollout_cfg.transfer_address:
+        return rollout_cfg.transfer_address
+    hosts = [urlparse(u).hostname for u in rollout_cfg.servers]
+    remote = [h for h in hosts if h not in ("localhost", "::1") and not h.startswith("127.")]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((remote[0], 9))  # no packet is sent: the kernel picks the interface toward it
+        return s.getsockname()[0]
 
 
 def _free_port() -> int:

@@ -47,8 +47,8 @@ _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 def engine_mode(rollout_cfg, device: str, world_size: int) -> str:
-    """``inproc`` or ``child`` for `rollout.engine_process` (``auto``: in-process only for one
-    trainer process on CPU)."""
+    """``inproc``, ``child`` or ``server`` for `rollout.engine_process` (``auto``: in-process only for
+    one trainer process on CPU)."""
     mode = rollout_cfg.engine_process
     if mode == "auto":
         return "inproc" if device == "cpu" and world_size == 1 and rollout_cfg.engines == 1 else "child"
@@ -56,8 +56,10 @@ def engine_mode(rollout_cfg, device: str, world_size: int) -> str:
 
 
 def backend_kind(rollout_cfg, device: str) -> str:
-    """shm, nccl or ipc for `rollout.weight_transfer` on ``device`` (importable before vLLM)."""
+    """shm, gloo, nccl or ipc for `rollout.weight_transfer` on ``device`` (importable before vLLM)."""
     backend = rollout_cfg.weight_transfer
+    if backend == "auto" and rollout_cfg.engine_process == "server":  # engines on any host: over the network
+        backend = "gloo" if device == "cpu" else "nccl"
     if backend == "auto":  # NCCL cannot pair two processes on one GPU: a colocated engine uses CUDA IPC
         backend = "shm" if device == "cpu" else "ipc" if rollout_cfg.placement == "colocate" else "nccl"
     return backend
@@ -163,12 +165,18 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str 
     return llm
 
 
-def build_fleet(model_path: str, cfg, device: str, world_size: int, version: int = 0):
-    """The rollout engines of a run (rank 0), labelled with weight version ``version``."""
+def build_fleet(model_path: str, cfg, device: str, world_size: int, version: int = 0, tokenizer=None,
+                log_dir: str | None = None):
+    """The rollout engines of a run (rank 0), labelled with weight version ``version``. Server mode:
+    `rollout.servers`, or `rollout.engines` servers started here (logs in ``log_dir``)."""
     from pace.rollout.fleet import EngineFleet
 
     mode = engine_mode(cfg.rollout, device, world_size)
     backend = transfer_backend(cfg.rollout, device)
+    if mode == "server":
+        from pace.rollout import remote
+
+        return remote.build(model_path, cfg, device, tokenizer, backend, log_dir, version)
     local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # trainer processes (GPUs) on this node
     placement = engine_gpus(cfg.rollout, local_trainers) if device == "cuda" and cfg.rollout.placement == "separate" else None
     llms = [build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed + e, mode, backend,
@@ -205,9 +213,14 @@ SCORING_PRIORITY = -1  # lower runs first (vLLM priority scheduling); generation
 VALIDATION_PRIORITY = -2  # in-training validation holds weight updates: it goes first
 
 
+# A server (rollout.engine_process=server) outlives a run: another run, or this one resumed, loads
+# different weights under the same version number, so the salt names this process too.
+_PROCESS_SALT = f"{os.getpid():x}{int.from_bytes(os.urandom(4), 'big'):08x}"
+
+
 def cache_salt(version: int) -> str:
-    """Prefix-cache salt of requests served by weight version ``version``."""
-    return f"v{version}"
+    """Prefix-cache salt of requests served by weight version ``version`` in this process."""
+    return f"{_PROCESS_SALT}-v{version}"
 
 
 def shutdown(llm, timeout: float | None = None) -> None:

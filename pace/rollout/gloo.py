@@ -13,7 +13,8 @@ and update that GPU runs take through NCCL run here on CPU, where the tests can 
 from __future__ import annotations
 
 import datetime
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -40,6 +41,13 @@ def _group(host: str, port: int, rank: int, world_size: int, is_master: bool):
     store = TCPStore(host, port, world_size if is_master else None, is_master=is_master, timeout=TIMEOUT,
                      wait_for_workers=False)
     return ProcessGroupGloo(PrefixStore("pace_gloo", store), rank, world_size, TIMEOUT), store
+
+
+def _run_into(future: Future, fn, *args) -> None:
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - the caller gets it
+        future.set_exception(exc)
 
 
 def _broadcast(group, tensor: torch.Tensor) -> None:
@@ -148,24 +156,24 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         info = GlooUpdateInfo(names=[m.name for m in meta], dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
                               shapes=[list(m.shape) for m in meta])
         self.client.start_weight_update()
-        exe = ThreadPoolExecutor(max_workers=1)
-        try:  # the engines receive inside update_weights while rank 0 broadcasts
-            future = exe.submit(self.client.update_weights, asdict(info))
-            if future.done():  # refused before any broadcast: say so, rather than wait for peers
-                future.result()
-            sent = 0
-            for name, tensor in self.source:  # the workers expect exactly `meta`, in order
-                m = meta[sent] if sent < len(meta) else None
-                if m is None or name != m.name or tensor.dtype != m.dtype or list(tensor.shape) != list(m.shape):
-                    raise ValueError(f"gloo weight transfer: parameter {sent} {name!r} differs from the metadata sent "
-                                     f"({m.name if m else 'none left'!r})")
-                _broadcast(self.group, tensor.detach().to("cpu").contiguous())
-                sent += 1
-            if sent != len(meta):
-                raise ValueError(f"gloo weight transfer: the source yielded {sent} of the {len(meta)} parameters sent")
+        # the engines receive inside update_weights while rank 0 broadcasts; a daemon thread, so that
+        # an engine stuck in a failed broadcast does not hold this process's exit
+        future: Future = Future()
+        threading.Thread(target=_run_into, args=(future, self.client.update_weights, asdict(info)),
+                         name="pace-gloo-update", daemon=True).start()
+        if future.done():  # refused before any broadcast: say so, rather than wait for peers
             future.result()
-        finally:
-            exe.shutdown(wait=False)  # a failed broadcast leaves the workers waiting: do not join them
+        sent = 0
+        for name, tensor in self.source:  # the workers expect exactly `meta`, in order
+            m = meta[sent] if sent < len(meta) else None
+            if m is None or name != m.name or tensor.dtype != m.dtype or list(tensor.shape) != list(m.shape):
+                raise ValueError(f"gloo weight transfer: parameter {sent} {name!r} differs from the metadata sent "
+                                 f"({m.name if m else 'none left'!r})")
+            _broadcast(self.group, tensor.detach().to("cpu").contiguous())
+            sent += 1
+        if sent != len(meta):
+            raise ValueError(f"gloo weight transfer: the source yielded {sent} of the {len(meta)} parameters sent")
+        future.result()
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:

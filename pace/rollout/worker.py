@@ -28,6 +28,7 @@ from pace.pool import Pool
 from pace.pool.plugins import reads_pfs
 from pace.rollout import transfer
 from pace.rollout.errors import RolloutError
+from pace.rollout.failover import FailoverMixin
 from pace.rollout.fleet import EngineFleet
 from pace.rollout.generation import GenerationMixin
 from pace.rollout.rescoring import RescoringMixin
@@ -39,13 +40,14 @@ from pace.tasks.base import PromptSampler
 __all__ = ["RolloutError", "RolloutWorker", "Validation"]
 
 
-class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMixin, ValidationMixin, threading.Thread):
+class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMixin, FailoverMixin, ValidationMixin,
+                    threading.Thread):
     def __init__(self, engines, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg, val_sets: dict | None = None):
-        """``engines``: an `EngineFleet` (or one vLLM `LLM`, wrapped in one)."""
+        """``engines``: an `EngineFleet` or a `RemoteFleet` (or one vLLM `LLM`, wrapped in a fleet)."""
         super().__init__(name="rollout", daemon=True)
         from vllm.sampling_params import RequestOutputKind
 
-        self.engine = engines if isinstance(engines, EngineFleet) else EngineFleet([engines])
+        self.engine = EngineFleet([engines]) if hasattr(engines, "llm_engine") else engines
         if self.engine.version is None and hasattr(self.engine.engines[0], "set_weight_version"):
             self.engine.set_version(0)  # vLLM labels tokens with it: the weights loaded (θ_0 until an update)
         self.tokenizer = tokenizer
@@ -89,7 +91,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
                       "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0,
-                      "resume_cut_tokens": 0}
+                      "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0}
         # PACE: rescore pooled prefixes after each update (for policies that read the PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
         self._rescoring = {}
@@ -209,7 +211,16 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             "rollout/rescore_cancelled": s["rescore_cancelled"] - last["rescore_cancelled"],
             # wall time in the interval when no group could start because the pool was full
             "rollout/capacity_wait_s": s["capacity_wait_s"] - last["capacity_wait_s"],
-        } | (self._tool_metrics(s, last) if self.tools is not None else {})
+        } | (self._tool_metrics(s, last) if self.tools is not None else {}) | self._engine_metrics()
+
+    def _engine_metrics(self) -> dict:
+        """Server mode: the engines alive, and each one's seconds in weight-update calls in the interval."""
+        if not hasattr(self.engine, "sync_seconds"):
+            return {}
+        now, last = self.engine.sync_seconds(), getattr(self, "_sync_last", {})
+        self._sync_last = now
+        return {"rollout/engines_alive": len(self.engine.alive)} | {
+            f"rollout/sync_s/engine{i}": sec - last.get(i, 0.0) for i, sec in now.items()}
 
     def _tool_metrics(self, s: dict, last: dict) -> dict:
         """Calls finished in the interval, their summed sandbox seconds (`time/tools`, calls overlap
@@ -256,6 +267,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
                             job.result()
                         if self.tools is not None:
                             self.tools.wait()
+                busy |= self._check_engines()
                 if self.tools is not None:
                     busy |= self._collect_tools()
                 busy |= self._collect_grades()

@@ -1,0 +1,74 @@
+"""A rollout engine that fails (server mode, pace/rollout/remote.py). A mixin of `RolloutWorker`.
+
+`rollout.on_engine_failure=stop`, or no engine left: the rollout thread raises `EngineFailed`
+naming the engine and the cause; the run stops with a checkpoint (train.py), and `resume=` goes on
+from it.
+
+`continue`: a warning, and the failed engine's work goes to the live ones (`rollout/engines_alive`
+drops). Nothing is dropped and no fate changes: every group keeps its id, its prompt and its place
+in flight, so the accounting adds up as if nothing happened, and no prompt is skipped or drawn
+twice. What the engine held:
+- a generation request: its response keeps every finished turn (their tokens carry the versions
+  the engine stamped) and loses the unfinished turn's tokens, whose versions the engine had not
+  yet reported (`rollout.failover_lost_tokens`); it then continues from there as a new turn on a
+  live engine (prompt + kept tokens prefilled), or starts again from the prompt if nothing was kept;
+- a prefix-scoring request: its group's scoring is dropped (`rescore_cancelled`) and asked again
+  after the next update, as when new weights land while it runs;
+- a validation request: sent again to a live engine (the weights are held until it is graded).
+"""
+from __future__ import annotations
+
+import sys
+
+from pace.rollout.remote import EngineFailed
+
+
+class FailoverMixin:
+    def _check_engines(self) -> bool:
+        take = getattr(self.engine, "take_failures", None)
+        failures = take() if take is not None else []
+        for f in failures:
+            self.stats["engine_failures"] += 1
+            alive = len(self.engine.alive)
+            if self.cfg.rollout.on_engine_failure == "stop" or not alive:
+                why = "no rollout engine is left" if not alive else "rollout.on_engine_failure=stop"
+                raise EngineFailed(f"rollout engine {f.index} ({f.url}) failed: {f.cause} ({why})")
+            print(f"warning: rollout engine {f.index} ({f.url}) failed: {f.cause}; going on with {alive} engine(s), "
+                  f"its {len(f.request_ids)} requests sent to them", file=sys.stderr, flush=True)
+            self._recover(f.request_ids)
+        return bool(failures)
+
+    def _recover(self, request_ids: list[str]) -> None:
+        scoring = set()
+        for rid in request_ids:
+            self.stats["failover_requests"] += 1
+            if rid[0] == "s":
+                scoring.add(int(rid[1:].split("-")[0]))
+            elif rid[0] == "v":
+                self._val[0].resubmit(self.engine, rid)
+            else:
+                self._recover_response(rid)
+        for gid in scoring:
+            job = self._rescoring.pop(gid, None)
+            if job is not None:
+                self.engine.abort_request([f"s{gid}-{i}" for i in range(len(job.group.trajectories))])
+                self.engine.release_group(f"s{gid}")
+                self.stats["rescore_cancelled"] += len(job.group.trajectories) - len(job.distances)
+        if not self._rescoring and self._rescore_started is not None:
+            import time
+
+            self.stats["rescore_s"] += time.perf_counter() - self._rescore_started
+            self._rescore_started = None
+
+    def _recover_response(self, rid: str) -> None:
+        gid, idx = (int(x) for x in rid[1:].split("-")[:2])
+        pending = self._pending[gid]
+        traj = pending.responses.get(idx)
+        start = pending.turn_start.get(idx, 0)
+        if traj is not None and len(traj) > start:
+            self.stats["failover_lost_tokens"] += len(traj) - start
+            traj.truncate(start)
+        if traj is None or len(traj) == 0:
+            self._restart(pending, idx)
+        else:
+            self._continue(pending, idx)

