@@ -170,6 +170,8 @@ def test_sigint_stops_cleanly(tiny_model_path, tmp_path):
         (["pool.name=bogus"], "pool.name='bogus'"),
         (["data.group_size=1"], "data.group_size"),
         (["pool.name=tests.unit.test_pool_plugins:NoSelect"], "NoSelect lacks select(), load_state_dict()"),
+        (["rollout.engine_process=server", "rollout.servers=[http://127.0.0.1:9]"],
+         "rollout.servers: http://127.0.0.1:9: it does not answer"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, needle, tmp_path):

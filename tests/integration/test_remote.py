@@ -1,0 +1,158 @@
+"""Rollout engines as vLLM HTTP servers (`rollout.engine_process=server`): two servers in processes
+of their own on 127.0.0.1, reached only through vLLM's routes (token-in/token-out generation with
+per-token weight versions, the RL weight-update routes) and weights through the gloo backend, the
+path a server on another host takes.
+
+The module's two servers are started once and shared (a run pushes θ_0 to them at its start);
+the test that kills one of them runs last. The test of a failure with `continue` has `train.py`
+start servers of its own, so that the launch path is exercised too."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from tests.conftest import ROOT, check_staleness, run_train, wait_for_rows
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["data.batch_prompts=4", "rollout.max_inflight_groups=12", "eval.every=0",
+         "logger.mode=disabled", "rollout.engine_process=server"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_path, tmp_path_factory):
+    from hydra import compose, initialize_config_dir
+
+    from pace.config import register
+    from pace.rollout import server
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=["+exp=async_tiny", "rollout.engine_process=server", "rollout.engines=2"])
+    started = server.launch_local(tiny_model_path, cfg, "cpu", tmp_path_factory.mktemp("servers"), backend="gloo")
+    yield started
+    for s in started:
+        s.kill()
+
+
+def _read(run_dir):
+    import pandas as pd
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, metrics, pd.read_parquet(run_dir / "groups")
+
+
+def _check_fates(summary, groups) -> None:
+    """A finished run: every submitted group has one fate and one row with it."""
+    fates = summary["fates"]
+    assert fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted")
+    assert groups.id.is_unique and len(groups) == fates["submitted"]
+    for fate, n in fates.items():
+        if fate != "submitted":
+            assert (groups.fate == fate).sum() == n, fate
+
+
+def _server_logprobs(url: str, ids: list[int]) -> list[float]:
+    body = {"token_ids": ids, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False}}
+    out = requests.post(url + "/inference/v1/generate", json=body, timeout=60).json()
+    return [out["prompt_logprobs"][t][str(ids[t])]["logprob"] for t in range(1, len(ids))]
+
+
+@pytest.mark.parametrize("preset", ["async_tiny", "pace_tiny"])
+def test_a_run_on_two_servers(preset, servers, tiny_model_path, tmp_path):
+    """5 steps on two servers: exact per-token versions (the servers' own labels, Lemma 1 on every
+    logged group), the fates add up, each server's weight syncs timed; after the run both servers
+    hold the trainer's final weights (their log-probs are the checkpoint's)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    urls = [s.url for s in servers]
+    proc = run_train([f"+exp={preset}", *SMALL, "trainer.steps=5", f"rollout.servers=[{','.join(urls)}]", "trainer.save_every=5"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary, metrics, groups = _read(tmp_path)
+    assert (summary["status"], summary["steps"], summary["engine_process"]) == ("finished", 5, "server")
+    check_staleness(groups)  # versions from the servers' weight_versions (the last chunk of each stream)
+    _check_fates(summary, groups)
+    assert (groups.versions_spanned > 1).any()  # updates landed while responses were generated
+    assert all(m["rollout/engines_alive"] == 2 for m in metrics)
+    for e in range(2):  # each server took part in the weight syncs
+        assert sum(m[f"rollout/sync_s/engine{e}"] for m in metrics) > 0
+    if preset == "pace_tiny":
+        assert summary["rollout"]["rescored"] > 0  # PACE's prefix scoring ran on the servers
+        return
+    versions = {requests.get(u + "/weight_info", timeout=10).json()["weight_version"] for u in urls}
+    version = summary["rollout"]["syncs"] - 1  # θ_0 at the start, then one per update
+    assert versions == {str(version)}, versions
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / f"step-{version:06d}" / "model",
+                                                 dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(tiny_model_path)("Q: 17+25=? A: 42. 6*7=42", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+    trainer = [logp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+    for url in urls:
+        assert _server_logprobs(url, ids) == pytest.approx(trainer, abs=2e-4), url
+
+
+def test_a_killed_server_the_run_goes_on_with_the_other(tiny_model_path, tmp_path):
+    """`train.py` starts two servers; one is killed mid-run: the run finishes 8 steps on the other,
+    the killed server's requests continue there, the fates add up and Lemma 1 holds; its servers
+    are gone after it."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", *SMALL, "trainer.steps=8", "rollout.engines=2",
+           "rollout.on_engine_failure=continue", "rollout.sync_every=2", f"hydra.run.dir={tmp_path}",
+           "logger.progress=false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_rows(proc, tmp_path, 3)  # after step 2; the next weight sync is after step 4 (sync_every=2)
+        pids = [int((tmp_path / "engines" / f"engine{e}.pid").read_text()) for e in range(2)]
+        os.killpg(pids[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    assert "warning: rollout engine 1 (http://127.0.0.1:" in err
+    summary, metrics, groups = _read(tmp_path)
+    assert (summary["status"], summary["steps"]) == ("finished", 8)
+    assert summary["rollout"]["engine_failures"] == 1
+    assert [m["rollout/engines_alive"] for m in metrics][:2] == [2, 2] and metrics[-1]["rollout/engines_alive"] == 1
+    check_staleness(groups)
+    _check_fates(summary, groups)
+    lost = int(err.split("its ")[1].split(" requests")[0])  # "... its N requests sent to them"
+    assert lost > 0 and summary["rollout"]["failover_requests"] == lost
+    # none of the killed server's groups was left behind: those still in flight at the end are recent
+    assert (groups[groups.fate == "inflight"].submitted_at >= 5).all(), groups[groups.fate == "inflight"].submitted_at
+    time.sleep(1)
+    for pid in pids:  # the run stopped the servers it started (engine 0) and the killed one is gone
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+
+
+def test_a_killed_server_stops_the_run_with_a_checkpoint(servers, tmp_path):
+    """`rollout.on_engine_failure=stop`: the run stops within 30 s of the kill, naming the engine
+    in one line, with a checkpoint. (Kills the module's second server: the last test here. No weight
+    sync after the first, so that the kill cannot land in a broadcast, which stops any run: README.)"""
+    urls = [s.url for s in servers]
+    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", *SMALL, "trainer.steps=20",
+           f"rollout.servers=[{','.join(urls)}]", "rollout.on_engine_failure=stop", "rollout.sync_every=100",
+           f"hydra.run.dir={tmp_path}", "logger.progress=false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_rows(proc, tmp_path, 2)
+        servers[1].kill(timeout=0.1)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and took < 30, (took, err[-3000:])
+    assert f"error: rollout engine 1 ({urls[1]}) failed:" in err and "Traceback" not in err, err[-3000:]
+    summary, _, _ = _read(tmp_path)
+    assert summary["status"] == "failed" and summary["checkpoint"]
+    assert (tmp_path / "checkpoints" / f"step-{summary['steps']:06d}" / "run_state.pkl").exists()
