@@ -194,7 +194,7 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
     except RuntimeError as exc:  # a RolloutError too
-        from pace.rollout.remote import EngineFailed
+        from pace.rollout.errors import EngineFailed
 
         failed = exc if isinstance(exc, EngineFailed) else exc.__cause__
         if not isinstance(failed, EngineFailed):

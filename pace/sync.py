@@ -124,7 +124,7 @@ class WeightSync:
                 if failed is None:
                     raise
                 self.engine.shutdown()  # the group's connections close: the live engines' receive fails, not waits
-                from pace.rollout.remote import EngineFailed
+                from pace.rollout.errors import EngineFailed
 
                 raise EngineFailed(f"rollout engine {failed.index} ({failed.url}) failed during the weight broadcast "
                                    f"({type(exc).__name__}): the run stops; resume= goes on with the engines alive") from exc

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from pace.rollout.remote import EngineFailed
+from pace.rollout.errors import EngineFailed
 
 
 class FailoverMixin:

@@ -26,84 +26,23 @@ again without it (`needs_regroup`), at the next update.
 from __future__ import annotations
 
 import asyncio
-import sys
 import json
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pace.config import ConfigError
+from pace.rollout.errors import EngineFailed
+from pace.rollout.remote_weights import RemoteWeightsMixin
+from pace.rollout.protocol import GENERATE, Output, completion_from, params_json, prompt_logprobs_from
 
-GENERATE = "/inference/v1/generate"
 HEALTH_INTERVAL_S = 1.0
 HEALTH_MISSES = 3  # consecutive failed /health checks that fail a server
-WEIGHT_CALL_TIMEOUT_S = 1800.0  # an update call waits for the broadcast (gloo's own timeout is 30 min)
-_PARAM_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
-               "prompt_logprobs", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-               "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "repetition_penalty",
-               "presence_penalty", "frequency_penalty")
-
-
-class EngineFailed(RuntimeError):
-    """A rollout engine failed and the run does not go on without it (`rollout.on_engine_failure`)."""
 
 
 class RequestRefused(RuntimeError):
     """A server refused a request (HTTP 4xx): a bug in what was sent, not a failed engine."""
-
-
-# --- what a response looks like to the rollout thread (the fields of vLLM's RequestOutput it reads)
-@dataclass
-class Logprob:
-    logprob: float
-
-
-@dataclass
-class Span:
-    version: str
-    start: int
-    end: int
-
-
-@dataclass
-class Completion:
-    index: int
-    token_ids: list
-    logprobs: list | None  # per token {token id: Logprob}
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    weight_versions: list | None = None
-
-
-@dataclass
-class Output:
-    request_id: str
-    outputs: list
-    finished: bool
-    prompt_logprobs: list | None = None
-
-
-def _completion(choice: dict) -> Completion:
-    ids = choice.get("token_ids") or []
-    content = (choice.get("logprobs") or {}).get("content")
-    lps = None if content is None else [{t: Logprob(c["logprob"])} for t, c in zip(ids, content)]
-    spans = choice.get("weight_versions")
-    return Completion(choice.get("index", 0), ids, lps, choice.get("text") or "", choice.get("finish_reason"),
-                      choice.get("stop_reason"), None if spans is None else [Span(**s) for s in spans])
-
-
-def _prompt_logprobs(entries: list | None) -> list | None:
-    if entries is None:
-        return None
-    return [None if e is None else {int(t): Logprob(v["logprob"]) for t, v in e.items()} for e in entries]
-
-
-def params_json(params) -> dict:
-    """The request's `SamplingParams` as the generate route reads them (the server sets the output kind)."""
-    return {k: getattr(params, k) for k in _PARAM_KEYS if getattr(params, k) is not None}
 
 
 @dataclass
@@ -126,7 +65,7 @@ class _Server:
     sync_s: float = 0.0  # seconds in weight-update calls, summed
 
 
-class RemoteFleet:
+class RemoteFleet(RemoteWeightsMixin):
     in_process = False
 
     def __init__(self, urls: list[str], tokenizer, device_type: str = "cpu", processes: list | None = None,
@@ -221,8 +160,8 @@ class RemoteFleet:
                 if not stream:
                     data = await resp.json()
                     server.last_output = time.monotonic()
-                    self._out.put((server.index, serial, Output(rid, [_completion(c) for c in data["choices"]], True,
-                                                               _prompt_logprobs(data.get("prompt_logprobs")))))
+                    self._out.put((server.index, serial, Output(rid, [completion_from(c) for c in data["choices"]], True,
+                                                               prompt_logprobs_from(data.get("prompt_logprobs")))))
                     return
                 buf = b""
                 async for chunk in resp.content.iter_any():
@@ -239,7 +178,7 @@ class RemoteFleet:
                             raise ConnectionError(f"{rid}: {str(data['error'])[:300]}")
                         server.last_output = time.monotonic()
                         for c in data.get("choices", []):
-                            comp = _completion(c)
+                            comp = completion_from(c)
                             self._out.put((server.index, serial, Output(rid, [comp], comp.finish_reason is not None)))
                 raise ConnectionError(f"the stream of {rid} ended before its end")
         except asyncio.CancelledError:  # aborted here: the closed stream aborts it in the engine
@@ -361,130 +300,6 @@ class RemoteFleet:
             for g in [g for g, i in self._group_engine.items() if i == f.index]:
                 del self._group_engine[g]
         return failures
-
-    # --- weights --------------------------------------------------------------------------------
-    def _each(self, call, what: str) -> list:
-        """``call(server)`` on every live server at once (a collective over the servers' workers and
-        the trainer returns on none of them until it runs on all); the results of those that
-        answered. A server that cannot be reached or answers with a server error has failed: it is
-        taken out (`take_failures` reports it; the weight-transfer group is formed again without it
-        before the broadcast). A refused call (HTTP 4xx) raises EngineFailed naming the server."""
-        import requests
-
-        servers = [s for s in self.servers if s.alive]
-
-        def timed(s):
-            t0 = time.perf_counter()
-            try:
-                return call(s)
-            finally:
-                s.sync_s += time.perf_counter() - t0
-
-        with ThreadPoolExecutor(max_workers=max(len(servers), 1), thread_name_prefix="pace-weights") as pool:
-            futures = [pool.submit(timed, s) for s in servers]
-            results = []
-            for s, f in zip(servers, futures):
-                try:
-                    results.append(f.result())
-                except (requests.ConnectionError, requests.Timeout) as exc:
-                    self._fail(s, f"{what}: {type(exc).__name__}")
-                except requests.HTTPError as exc:
-                    text = exc.response.text[:300] if exc.response is not None else ""
-                    if exc.response is not None and exc.response.status_code >= 500:
-                        self._fail(s, f"{what}: {exc} {text}")
-                        continue
-                    raise EngineFailed(f"rollout engine {s.index} ({s.url}): {what} refused: {exc} {text}") from exc
-        return results
-
-    @staticmethod
-    def _post(s: _Server, path: str, body: dict | None = None, params: dict | None = None,
-              timeout: float = WEIGHT_CALL_TIMEOUT_S):
-        import requests
-
-        r = requests.post(s.url + path, json=body, params=params, timeout=timeout)
-        r.raise_for_status()
-        return r.json() if r.content else None
-
-    @staticmethod
-    def _client(s: _Server):
-        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-        return HTTPVLLMWeightSyncClient(s.url, timeout=WEIGHT_CALL_TIMEOUT_S)
-
-    def transfer_workers(self) -> int:
-        """Weight-transfer ranks of the live servers."""
-        return sum(s.workers for s in self.servers if s.alive)
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """Every live server joins the weight-transfer group; with ranks (NCCL, gloo), server s's
-        workers after those of the servers before it (pace/rollout/fleet.py)."""
-        infos, offset = {}, init_info.get("rank_offset")
-        for s in self.servers:
-            if s.alive:
-                infos[s.index] = dict(init_info)
-                if offset is not None:
-                    infos[s.index]["rank_offset"] = offset
-                    offset += s.workers
-        self._each(lambda s: self._client(s).init_weight_transfer_engine(infos[s.index]), "init_weight_transfer_engine")
-        self.needs_regroup = False
-
-    def update(self, version: int | None, update_info: dict) -> float:
-        t0 = time.perf_counter()
-        self.begin_update()
-        try:
-            self.load(update_info)
-        except BaseException:
-            self._resume()
-            raise
-        self.end_update(version)
-        return time.perf_counter() - t0
-
-    def begin_update(self) -> None:
-        def begin(s):
-            s.paused = True
-            self._post(s, "/pause", params={"mode": "keep", "clear_cache": "false"})
-            self._client(s).start_weight_update()
-
-        try:
-            self._each(begin, "start_weight_update")
-        except BaseException:
-            self._resume()
-            raise
-
-    def load(self, update_info: dict) -> None:
-        self._each(lambda s: self._client(s).update_weights(update_info), "update_weights")
-
-    def end_update(self, version: int | None) -> None:
-        from pace.rollout.reload import IncompleteWeightUpdate
-
-        try:
-            self._each(lambda s: self._client(s).finish_weight_update(), "finish_weight_update")
-            results = self._each(lambda s: self._post(s, "/collective_rpc", {"method": "pace_weight_update_failure"}),
-                                 "the reload check")
-            failures = [f for r in results for f in (r or {}).get("results", []) if f]
-            if failures:
-                more = f" (and {len(failures) - 1} more workers)" if len(failures) > 1 else ""
-                raise IncompleteWeightUpdate(failures[0] + more)
-            if version is not None:
-                self.set_version(version)
-        finally:
-            self._resume()
-
-    def _resume(self) -> None:
-        def resume(s):
-            self._post(s, "/resume")
-            s.paused = False
-            s.last_output = time.monotonic()
-
-        self._each(resume, "resume")
-
-    def set_version(self, version: int) -> None:
-        self._each(lambda s: self._post(s, "/update_weight_version", {"new_version": str(version)}), "update_weight_version")
-        self.version = version
-
-    def sync_seconds(self) -> dict[int, float]:
-        """Seconds each server has spent in weight-update calls (summed over the run)."""
-        return {s.index: s.sync_s for s in self.servers}
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the client; stop the servers this run started (others keep running, resumed)."""

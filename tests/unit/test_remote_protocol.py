@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pace.config import ConfigError, validate
-from pace.rollout.remote import _completion, _prompt_logprobs, params_json
+from pace.rollout.protocol import completion_from, params_json, prompt_logprobs_from
 from pace.sync import transfer_address
 from tests.unit.test_config import compose_cfg
 
@@ -21,20 +21,20 @@ CHUNK = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids"
 def test_a_chunk_becomes_what_the_rollout_reads():
     from pace.rollout.generation import span_versions
 
-    comp = _completion(CHUNK)
+    comp = completion_from(CHUNK)
     assert comp.token_ids == [21, 7] and comp.finish_reason == "length"
     assert [lp[t].logprob for t, lp in zip(comp.token_ids, comp.logprobs)] == [-0.5, -1.25]
     assert span_versions(comp.weight_versions).tolist() == [3, 4]  # the engine's labels, token by token
-    text = _completion({**CHUNK, "text": "ab", "logprobs": {"content": [{"token": "a", "logprob": -0.5},
+    text = completion_from({**CHUNK, "text": "ab", "logprobs": {"content": [{"token": "a", "logprob": -0.5},
                                                                          {"token": "b", "logprob": -1.25}]}})
     assert text.text == "ab" and [lp[t].logprob for t, lp in zip(text.token_ids, text.logprobs)] == [-0.5, -1.25]
-    middle = _completion({**CHUNK, "finish_reason": None, "weight_versions": None})
+    middle = completion_from({**CHUNK, "finish_reason": None, "weight_versions": None})
     assert middle.finish_reason is None and middle.weight_versions is None  # labels come with the last chunk only
 
 
 def test_prompt_logprobs_keys_are_token_ids_again():
     entries = [None, {"6": {"logprob": -12.5, "rank": 85, "decoded_token": None}}]
-    out = _prompt_logprobs(entries)
+    out = prompt_logprobs_from(entries)
     assert out[0] is None and out[1][6].logprob == -12.5
 
 

@@ -1,0 +1,68 @@
+"""vLLM's token-in/token-out generate route as the rollout thread reads it (pure; no server needed).
+
+`/inference/v1/generate` (vLLM 0.32, `--enable-scale-out`) takes token ids and `SamplingParams`
+and answers, streamed or whole, with choices carrying token ids, log-probs and, on a request's
+last chunk, the per-token `weight_versions` the engine stamped. `Output` and `Completion` carry the
+fields of vLLM's `RequestOutput` / `CompletionOutput` that the rollout reads (pace/rollout/
+generation.py, rescoring.py, pace/evaluation.py), so the rollout code is the same for every fleet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GENERATE = "/inference/v1/generate"
+_PARAM_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
+               "prompt_logprobs", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+               "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "repetition_penalty",
+               "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class Span:
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
+class Completion:
+    index: int
+    token_ids: list
+    logprobs: list | None  # per token {token id: Logprob}
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    weight_versions: list | None = None
+
+
+@dataclass
+class Output:
+    request_id: str
+    outputs: list
+    finished: bool
+    prompt_logprobs: list | None = None
+
+
+def completion_from(choice: dict) -> Completion:
+    ids = choice.get("token_ids") or []
+    content = (choice.get("logprobs") or {}).get("content")
+    lps = None if content is None else [{t: Logprob(c["logprob"])} for t, c in zip(ids, content)]
+    spans = choice.get("weight_versions")
+    return Completion(choice.get("index", 0), ids, lps, choice.get("text") or "", choice.get("finish_reason"),
+                      choice.get("stop_reason"), None if spans is None else [Span(**s) for s in spans])
+
+
+def prompt_logprobs_from(entries: list | None) -> list | None:
+    if entries is None:
+        return None
+    return [None if e is None else {int(t): Logprob(v["logprob"]) for t, v in e.items()} for e in entries]
+
+
+def params_json(params) -> dict:
+    """The request's `SamplingParams` as the generate route reads them (the server sets the output kind)."""
+    return {k: getattr(params, k) for k in _PARAM_KEYS if getattr(params, k) is not None}

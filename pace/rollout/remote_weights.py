@@ -1,0 +1,144 @@
+"""Weight updates of the rollout servers over vLLM's RL routes: a mixin of `RemoteFleet`
+(pace/rollout/remote.py), the same calls as `EngineFleet`'s (pace/rollout/fleet.py).
+
+Each update: `/pause?mode=keep` (requests in flight keep their KV), vLLM's `HTTPVLLMWeightSyncClient`
+(`/start_weight_update`, `/update_weights` while trainer rank 0 broadcasts, `/finish_weight_update`),
+the reload checks of pace/rollout/reload.py through `/collective_rpc`, the version label through
+`/update_weight_version`, `/resume`. Every call goes to every live server at once: the broadcast is a
+collective over the trainer and every server's workers.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from pace.rollout.errors import EngineFailed
+
+WEIGHT_CALL_TIMEOUT_S = 1800.0  # an update call waits for the broadcast (gloo's own timeout is 30 min)
+
+
+class RemoteWeightsMixin:
+    def _each(self, call, what: str) -> list:
+        """``call(server)`` on every live server at once (a collective over the servers' workers and
+        the trainer returns on none of them until it runs on all); the results of those that
+        answered. A server that cannot be reached or answers with a server error has failed: it is
+        taken out (`take_failures` reports it; the weight-transfer group is formed again without it
+        before the broadcast). A refused call (HTTP 4xx) raises EngineFailed naming the server."""
+        import requests
+
+        servers = [s for s in self.servers if s.alive]
+
+        def timed(s):
+            t0 = time.perf_counter()
+            try:
+                return call(s)
+            finally:
+                s.sync_s += time.perf_counter() - t0
+
+        with ThreadPoolExecutor(max_workers=max(len(servers), 1), thread_name_prefix="pace-weights") as pool:
+            futures = [pool.submit(timed, s) for s in servers]
+            results = []
+            for s, f in zip(servers, futures):
+                try:
+                    results.append(f.result())
+                except (requests.ConnectionError, requests.Timeout) as exc:
+                    self._fail(s, f"{what}: {type(exc).__name__}")
+                except requests.HTTPError as exc:
+                    text = exc.response.text[:300] if exc.response is not None else ""
+                    if exc.response is not None and exc.response.status_code >= 500:
+                        self._fail(s, f"{what}: {exc} {text}")
+                        continue
+                    raise EngineFailed(f"rollout engine {s.index} ({s.url}): {what} refused: {exc} {text}") from exc
+        return results
+
+    @staticmethod
+    def _post(s, path: str, body: dict | None = None, params: dict | None = None,
+              timeout: float = WEIGHT_CALL_TIMEOUT_S):
+        import requests
+
+        r = requests.post(s.url + path, json=body, params=params, timeout=timeout)
+        r.raise_for_status()
+        return r.json() if r.content else None
+
+    @staticmethod
+    def _client(s):
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        return HTTPVLLMWeightSyncClient(s.url, timeout=WEIGHT_CALL_TIMEOUT_S)
+
+    def transfer_workers(self) -> int:
+        """Weight-transfer ranks of the live servers."""
+        return sum(s.workers for s in self.servers if s.alive)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Every live server joins the weight-transfer group; with ranks (NCCL, gloo), server s's
+        workers after those of the servers before it (pace/rollout/fleet.py)."""
+        infos, offset = {}, init_info.get("rank_offset")
+        for s in self.servers:
+            if s.alive:
+                infos[s.index] = dict(init_info)
+                if offset is not None:
+                    infos[s.index]["rank_offset"] = offset
+                    offset += s.workers
+        self._each(lambda s: self._client(s).init_weight_transfer_engine(infos[s.index]), "init_weight_transfer_engine")
+        self.needs_regroup = False
+
+    def update(self, version: int | None, update_info: dict) -> float:
+        t0 = time.perf_counter()
+        self.begin_update()
+        try:
+            self.load(update_info)
+        except BaseException:
+            self._resume()
+            raise
+        self.end_update(version)
+        return time.perf_counter() - t0
+
+    def begin_update(self) -> None:
+        def begin(s):
+            s.paused = True
+            self._post(s, "/pause", params={"mode": "keep", "clear_cache": "false"})
+            self._client(s).start_weight_update()
+
+        try:
+            self._each(begin, "start_weight_update")
+        except BaseException:
+            self._resume()
+            raise
+
+    def load(self, update_info: dict) -> None:
+        self._each(lambda s: self._client(s).update_weights(update_info), "update_weights")
+
+    def end_update(self, version: int | None) -> None:
+        from pace.rollout.reload import IncompleteWeightUpdate
+
+        try:
+            self._each(lambda s: self._client(s).finish_weight_update(), "finish_weight_update")
+            results = self._each(lambda s: self._post(s, "/collective_rpc", {"method": "pace_weight_update_failure"}),
+                                 "the reload check")
+            failures = [f for r in results for f in (r or {}).get("results", []) if f]
+            if failures:
+                more = f" (and {len(failures) - 1} more workers)" if len(failures) > 1 else ""
+                raise IncompleteWeightUpdate(failures[0] + more)
+            if version is not None:
+                self.set_version(version)
+        finally:
+            self._resume()
+
+    def _resume(self) -> None:
+        def resume(s):
+            self._post(s, "/resume")
+            s.paused = False
+            s.last_output = time.monotonic()
+
+        self._each(resume, "resume")
+
+    def set_version(self, version: int) -> None:
+        self._each(lambda s: self._post(s, "/update_weight_version", {"new_version": str(version)}), "update_weight_version")
+        self.version = version
+
+    def sync_seconds(self) -> dict[int, float]:
+        """Seconds each server has spent in weight-update calls (summed over the run)."""
+        return {s.index: s.sync_s for s in self.servers}
+
+
