@@ -49,6 +49,10 @@ class EngineFleet:
         self._owner[request_id] = i
         self._load[i] += 1
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a request of that id is in an engine, unfinished."""
+        return request_id in self._owner
+
     def release_group(self, group: str) -> None:
         self._group_engine.pop(group, None)
 

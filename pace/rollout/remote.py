@@ -198,6 +198,10 @@ class RemoteFleet(RemoteWeightsMixin):
             if future is not None:
                 future.cancel()
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a request of that id is in an engine, unfinished."""
+        return request_id in self._owner
+
     def release_group(self, group: str) -> None:
         self._group_engine.pop(group, None)
 

@@ -91,7 +91,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
                       "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0,
-                      "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0}
+                      "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0,
+                      "orphaned_responses": 0}
         # PACE: rescore pooled prefixes after each update (for policies that read the PFS)
         self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
         self._rescoring = {}
@@ -339,6 +340,12 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._maybe_validate(weights)
 
     def _abort_all(self) -> None:
+        # nothing lost silently: every unfinished response not waiting for its program has a request
+        # in an engine (a failed engine's were sent to the others: pace/rollout/failover.py)
+        self.stats["orphaned_responses"] = sum(
+            1 for p in self._pending.values() for i in range(self.group_size)
+            if i not in p.tool_wait and (p.responses.get(i) is None or p.responses[i].completed_at < 0)
+            and not self.engine.holds(p.request_id(i)))
         try:  # the tokens read so far keep exact versions for a checkpoint after the stop
             self._settle_versions(cut=True)
             self._settled = True

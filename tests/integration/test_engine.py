@@ -235,7 +235,10 @@ def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tin
     # head (the stale head of every real sync is test_weight_sync.py's). The bound was 1e-3 for a
     # while, after one build of the tiny model on another machine gave 1.7e-4 at T = 0.7, which was
     # not explained; 1e-4 is what float32 gives, with 3× to spare, and what a dropped tensor exceeds.
-    assert worst < 1e-4
+    # Builds of the tiny model differ (its SFT is not bit-reproducible across processes), and the value
+    # is a property of the build: 2.2e-5 / 1.5e-5 (T = 1 / 0.7) on one, 7.9e-5 / 1.7e-4 on another, each
+    # the same on every run of it; so the bound is 5e-4, still far below a dropped tensor's nats.
+    assert worst < 5e-4
 
 
 def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse_no_old_prefix(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,11 +107,13 @@ def test_a_killed_server_the_run_goes_on_with_the_other(tiny_model_path, tmp_pat
     the killed server's requests continue there, the fates add up and Lemma 1 holds; its servers
     are gone after it."""
     cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", *SMALL, "trainer.steps=8", "rollout.engines=2",
-           "rollout.on_engine_failure=continue", "rollout.sync_every=2", f"hydra.run.dir={tmp_path}",
+           "rollout.on_engine_failure=continue", "rollout.sync_every=4", f"hydra.run.dir={tmp_path}",
            "logger.progress=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_rows(proc, tmp_path, 3)  # after step 2; the next weight sync is after step 4 (sync_every=2)
+        # after step 1 (θ_2); the next weight sync is θ_4's, two steps away: the kill cannot land in a
+        # broadcast, which would stop the run (README), and the group is formed again before it
+        wait_for_rows(proc, tmp_path, 2)
         pids = [int((tmp_path / "engines" / f"engine{e}.pid").read_text()) for e in range(2)]
         os.killpg(pids[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
@@ -124,10 +127,11 @@ def test_a_killed_server_the_run_goes_on_with_the_other(tiny_model_path, tmp_pat
     assert [m["rollout/engines_alive"] for m in metrics][:2] == [2, 2] and metrics[-1]["rollout/engines_alive"] == 1
     check_staleness(groups)
     _check_fates(summary, groups)
-    lost = int(err.split("its ")[1].split(" requests")[0])  # "... its N requests sent to them"
+    lost = int(re.search(r"its (\d+) requests sent to them", err).group(1))
     assert lost > 0 and summary["rollout"]["failover_requests"] == lost
-    # none of the killed server's groups was left behind: those still in flight at the end are recent
-    assert (groups[groups.fate == "inflight"].submitted_at >= 5).all(), groups[groups.fate == "inflight"].submitted_at
+    # none of the killed server's requests was left behind: at the end every unfinished response
+    # still had a request in the live engine
+    assert summary["rollout"]["orphaned_responses"] == 0
     time.sleep(1)
     for pid in pids:  # the run stopped the servers it started (engine 0) and the killed one is gone
         with pytest.raises(ProcessLookupError):
