@@ -114,6 +114,14 @@ class RemoteFleet(RemoteWeightsMixin):
         return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None, connect=30))
 
+    async def _close(self) -> None:
+        """Every stream still open (one whose last chunk was read may not have ended), then the session."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._session.close()
+
     @property
     def alive(self) -> list[int]:
         return [s.index for s in self.servers if s.alive]
@@ -319,7 +327,7 @@ class RemoteFleet(RemoteWeightsMixin):
                 except Exception:  # noqa: BLE001 - best effort: the server is not ours
                     pass
         try:
-            self._run(self._session.close(), timeout=5)
+            self._run(self._close(), timeout=5)
         except Exception:  # noqa: BLE001
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
