@@ -68,7 +68,7 @@ class WeightSync:
             workers = fleet.transfer_workers()
         else:
             workers = self.cfg.rollout.engines * self.cfg.rollout.tensor_parallel_size
-        info = Info(rank=rank, master_address=transfer_address(self.cfg.rollout), master_port=_free_port() if rank == 0 else 0,
+        info = Info(rank=rank, master_address=transfer_address(self.cfg.rollout), master_port=free_port() if rank == 0 else 0,
                     world_size=1 + workers)
         if self.rollout is not None and getattr(self, "_client", None) is None:
             self._client = BlockingClient(self.rollout)  # one for the run: a regroup keeps its state
@@ -204,7 +204,7 @@ def transfer_address(rollout_cfg) -> str:
         return s.getsockname()[0]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

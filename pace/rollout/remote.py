@@ -77,6 +77,9 @@ class RemoteFleet(RemoteWeightsMixin):
         self.tokenizer = tokenizer
         self.device_type = device_type
         self.engine_timeout_s = engine_timeout_s
+        from vllm.sampling_params import RequestOutputKind
+
+        self._delta = RequestOutputKind.DELTA
         self.version = None
         self.needs_regroup = False
         self._owner: dict[str, tuple[int, int]] = {}  # request id → (server, serial)
@@ -139,9 +142,7 @@ class RemoteFleet(RemoteWeightsMixin):
         ids = prompt.get("prompt_token_ids")
         if ids is None:  # a text prompt (validation), tokenized as vLLM's engine does it
             ids = self.tokenizer(prompt["prompt"]).input_ids
-        from vllm.sampling_params import RequestOutputKind
-
-        stream = params.output_kind == RequestOutputKind.DELTA and params.n == 1
+        stream = params.output_kind == self._delta and params.n == 1  # generation: streamed token by token
         self._serial += 1
         body = {"request_id": f"{request_id}.{self._serial}", "token_ids": list(ids), "sampling_params": params_json(params),
                 "priority": priority, "stream": stream, "output_mode": "text" if params.detokenize else "tokens"}

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pace.rollout.errors import EngineFailed
+from pace.rollout.fleet import EngineFleet
 
 WEIGHT_CALL_TIMEOUT_S = 1800.0  # an update call waits for the broadcast (gloo's own timeout is 30 min)
 
@@ -83,16 +84,7 @@ class RemoteWeightsMixin:
         self._each(lambda s: self._client(s).init_weight_transfer_engine(infos[s.index]), "init_weight_transfer_engine")
         self.needs_regroup = False
 
-    def update(self, version: int | None, update_info: dict) -> float:
-        t0 = time.perf_counter()
-        self.begin_update()
-        try:
-            self.load(update_info)
-        except BaseException:
-            self._resume()
-            raise
-        self.end_update(version)
-        return time.perf_counter() - t0
+    update = EngineFleet.update  # begin, load, end (resumed if the load fails): the same sequence over HTTP
 
     def begin_update(self) -> None:
         def begin(s):

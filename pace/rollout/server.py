@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pace.sync import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the servers import pace from it
 
@@ -138,12 +139,6 @@ def tail(path: Path, lines: int = 3) -> str:
     except OSError:
         return ""
     return " | ".join(text[-lines:])
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def launch_local(model_path: str, cfg, device: str, log_dir: Path, backend: str | None,
