@@ -103,7 +103,7 @@ class RolloutConfig:
     # a server that dies, stalls or fails its health checks: continue on the others (its requests
     # go to a live one; warning, `rollout/engines_alive`) | stop (checkpoint, the cause named)
     on_engine_failure: str = "continue"
-    engine_timeout_s: float = 120.0  # server mode: no output for this long with requests in flight = failed
+    engine_timeout_s: float = 120.0  # server mode: no output for this long with requests in flight, or an update call (pause, resume, label, check) this long = failed
     server_start_timeout_s: float = 900.0  # server mode: servers this run starts must answer /health by then
     # server mode, nccl/gloo weight transfer: the address of trainer rank 0 the servers connect to
     # (null: 127.0.0.1 when every server is on this host, else this host's address toward the first)

@@ -15,7 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pace.rollout.errors import EngineFailed
 from pace.rollout.fleet import EngineFleet
 
-WEIGHT_CALL_TIMEOUT_S = 1800.0  # an update call waits for the broadcast (gloo's own timeout is 30 min)
+WEIGHT_CALL_TIMEOUT_S = 1800.0  # the transfer calls wait for the broadcast (gloo's own timeout is 30 min)
+# The other calls (pause, resume, the version label, the reload check) return in seconds; one that takes
+# `rollout.engine_timeout_s` fails its server. A server whose engine behind it has died can answer /health
+# and hang here (vLLM's data-parallel API server with a dead headless engine does: README).
 
 
 class RemoteWeightsMixin:
@@ -62,10 +65,10 @@ class RemoteWeightsMixin:
         return r.json() if r.content else None
 
     @staticmethod
-    def _client(s):
+    def _client(s, timeout: float = WEIGHT_CALL_TIMEOUT_S):
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-        return HTTPVLLMWeightSyncClient(s.url, timeout=WEIGHT_CALL_TIMEOUT_S)
+        return HTTPVLLMWeightSyncClient(s.url, timeout=timeout)
 
     def transfer_workers(self) -> int:
         """Weight-transfer ranks of the live servers."""
@@ -89,8 +92,8 @@ class RemoteWeightsMixin:
     def begin_update(self) -> None:
         def begin(s):
             s.paused = True
-            self._post(s, "/pause", params={"mode": "keep", "clear_cache": "false"})
-            self._client(s).start_weight_update()
+            self._post(s, "/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=self.engine_timeout_s)
+            self._client(s, self.engine_timeout_s).start_weight_update()
 
         try:
             self._each(begin, "start_weight_update")
@@ -106,7 +109,8 @@ class RemoteWeightsMixin:
 
         try:
             self._each(lambda s: self._client(s).finish_weight_update(), "finish_weight_update")
-            results = self._each(lambda s: self._post(s, "/collective_rpc", {"method": "pace_weight_update_failure"}),
+            results = self._each(lambda s: self._post(s, "/collective_rpc", {"method": "pace_weight_update_failure"},
+                                                            timeout=self.engine_timeout_s),
                                  "the reload check")
             failures = [f for r in results for f in (r or {}).get("results", []) if f]
             if failures:
@@ -119,14 +123,15 @@ class RemoteWeightsMixin:
 
     def _resume(self) -> None:
         def resume(s):
-            self._post(s, "/resume")
+            self._post(s, "/resume", timeout=self.engine_timeout_s)
             s.paused = False
             s.last_output = time.monotonic()
 
         self._each(resume, "resume")
 
     def set_version(self, version: int) -> None:
-        self._each(lambda s: self._post(s, "/update_weight_version", {"new_version": str(version)}), "update_weight_version")
+        self._each(lambda s: self._post(s, "/update_weight_version", {"new_version": str(version)},
+                                           timeout=self.engine_timeout_s), "update_weight_version")
         self.version = version
 
     def sync_seconds(self) -> dict[int, float]:
