@@ -25,11 +25,13 @@ SMALL = {"data.batch_prompts": 4, "data.group_size": 4, "rollout.max_inflight_gr
     ("async_tiny_tool", {"pool": "stale_k", "pool.max_lag": 1}),
     ("async_tiny_tool", {"pool": "gate", "pool.max_head_offpolicyness": 1}),
     ("async_tiny_tool", {"algo": "m2po"}),
+    ("async_tiny_tool", {"rollout.engine_process": "server"}),  # tool turns through a vLLM HTTP server
 ])
 def test_every_policy_runs_with_tools(tiny_tool_model_path, tmp_path, preset, extra):
     proc = run_train([f"+exp={preset}", *(f"{k}={v}" for k, v in {**SMALL, **extra}.items())], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics, groups, summary = _read(tmp_path)
+    assert summary["engine_process"] == extra.get("rollout.engine_process", "inproc"), summary["engine_process"]
     assert [m["step"] for m in metrics] == list(range({**SMALL, **extra}["trainer.steps"]))
     _check_accounting(groups, summary)
     check_staleness(groups)  # logged K, K_gen, K_wait = recomputed from per-token version spans
