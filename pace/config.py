@@ -187,8 +187,8 @@ class AlgoConfig:
     is_threshold_lower: Optional[float] = None  # mis: lower bound; null: 1/C
     m2_threshold: float = 0.04  # algo.name=m2po: τ, the trust-region tokens' second-moment budget
     m2po_variant: str = "paper"  # paper (Algorithm 1: mask, no clip) | adaptive_clip (the authors' code)
-    m2po_eps_low_min: float = 0.3  # adaptive_clip: ε_low at least this (the authors' miniclip_low)
-    m2po_eps_high_max: float = 0.5  # adaptive_clip: ε_high at most this (the authors' miniclip_high)
+    m2po_eps_low_min: float = 0.3  # adaptive_clip: ε_low at least this (a floor: the authors' miniclip_low)
+    m2po_eps_high_min: float = 0.5  # adaptive_clip: ε_high at least this (a floor: the authors' miniclip_high)
     filter_on: str = "acc"  # dynamic sampling on correctness (DAPO's recipe) or on the shaped reward
     adv_eps: float = 1e-6
     # group-advantage std with Bessel's correction (n − 1), as verl's DAPO recipe (torch.std) and AReaL
@@ -439,8 +439,8 @@ def _check_algo(algo) -> None:
     low = algo.is_threshold_lower
     if low is not None and (algo.is_correction != "mis" or not 0 <= low < algo.is_threshold):
         raise ConfigError(f"algo.is_threshold_lower={low}: needs algo.is_correction=mis and 0 <= it < algo.is_threshold")
-    if not (algo.m2_threshold > 0 and 0 <= algo.m2po_eps_low_min <= 1 and algo.m2po_eps_high_max >= 0):
-        raise ConfigError("algo.m2_threshold must be > 0, algo.m2po_eps_low_min in [0, 1], algo.m2po_eps_high_max >= 0")
+    if not (algo.m2_threshold > 0 and 0 <= algo.m2po_eps_low_min <= 1 and algo.m2po_eps_high_min >= 0):
+        raise ConfigError("algo.m2_threshold must be > 0, algo.m2po_eps_low_min in [0, 1], algo.m2po_eps_high_min >= 0")
 
 
 def _import_path(name: str) -> bool:

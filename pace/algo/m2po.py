@@ -13,8 +13,8 @@ Trust-region tokens: A > 0 with r > 1, or A < 0 with r < 1 — the tokens a PPO 
   unclipped −A·r over the kept tokens (`pace.algo.loss.m2po_loss`).
 - ``adaptive_clip`` (the authors' code, Infini-AI-Lab/M2PO ``compute_m2po_policy_loss``,
   `adaptive_clip`): no mask; a radius τ* is solved so that the trust-region tokens' second moment
-  with |d| capped at τ* stays within the budget τ, and r is clipped to [e^−τ*, e^τ*], with the
-  authors' bounds on the clip range (``miniclip_low`` 0.3, ``miniclip_high`` 0.5).
+  with |d| capped at τ* stays within the budget τ, and r is clipped to [e^−τ*, e^τ*] widened to at
+  least [0.7, 1.5] (the authors' floors on ε: ``miniclip_low`` 0.3, ``miniclip_high`` 0.5).
 """
 from __future__ import annotations
 
@@ -78,14 +78,16 @@ def solve_radius(sorted_d2: torch.Tensor, target_sum: float) -> float:
 
 
 def adaptive_clip(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float,
-                  eps_low_min: float = 0.3, eps_high_max: float = 0.5) -> tuple[float, float, dict]:
+                  eps_low_min: float = 0.3, eps_high_min: float = 0.5) -> tuple[float, float, dict]:
     """The authors' variant: (ε_low, ε_high) of the clip [1 − ε_low, 1 + ε_high] for this
-    mini-batch, and stats (``trust_region``, ``m2``, ``m2_after``, ``radius``).
+    mini-batch, and stats (``trust_region``, ``m2``, ``m2_after``, ``radius``, ``binds``).
 
     M2 = mean d² over the trust-region tokens; if M2 ≤ τ (or there are none) τ* = ∞, else
     τ* = `solve_radius` of their d² at budget τ·n. Then ε_low = max(1 − e^−τ*, ``eps_low_min``)
-    and ε_high = min(e^τ* − 1, ``eps_high_max``): the lower clip is never tighter than 0.7 and the
-    upper never looser than 1.5 (the authors' ``miniclip_low``/``miniclip_high``).
+    and ε_high = max(e^τ* − 1, ``eps_high_min``): both are floors, so the clip range is never
+    tighter than [0.7, 1.5] (the authors' ``miniclip_low``/``miniclip_high``, which raise
+    ``clip_low``/``clip_high`` when below them), and within the budget there is no upper clip at all
+    (ε_high = ∞; the authors' τ* = 100000 stands for it) and none below (ε_low = 1).
     """
     tr = trust_region(d, advantages, mask) > 0
     d2 = d.detach().reshape(-1)[tr.reshape(-1)].to(torch.float64).square()
@@ -96,5 +98,6 @@ def adaptive_clip(d: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
         radius = solve_radius(torch.sort(d2).values, tau * n)
         m2_after = float(d2.clamp(max=radius * radius).mean())
     eps_low = max(1.0 - math.exp(-radius), eps_low_min)
-    eps_high = min(math.expm1(radius) if radius < 700 else math.inf, eps_high_max)
-    return eps_low, eps_high, {"trust_region": float(n), "m2": m2, "m2_after": m2_after, "radius": radius}
+    eps_high = max(math.expm1(radius) if radius < 700 else math.inf, eps_high_min)
+    stats = {"trust_region": float(n), "m2": m2, "m2_after": m2_after, "radius": radius, "binds": float(radius < math.inf)}
+    return eps_low, eps_high, stats

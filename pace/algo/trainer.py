@@ -210,9 +210,14 @@ class DAPOTrainer:
             out["mismatch/truncated_frac"] = totals["truncated"] / tokens
         if m2po_stats:
             out["m2po/masked_frac"] = totals["masked"] / tokens
-            for key in ("m2", "m2_after", "eps_low", "eps_high"):
+            for key in ("m2", "m2_after", "eps_low"):
                 if key in m2po_stats[0]:
                     out[f"m2po/{key}"] = sum(s[key] for s in m2po_stats) / len(m2po_stats)
+            if "binds" in m2po_stats[0]:  # adaptive_clip: ε_high is ∞ where the budget does not bind
+                binding = [s for s in m2po_stats if s["binds"]]
+                out["m2po/binds_frac"] = len(binding) / len(m2po_stats)
+                if binding:  # the mean over the mini-batches it bound in
+                    out["m2po/eps_high"] = sum(s["eps_high"] for s in binding) / len(binding)
             out["m2po/trust_region_frac"] = sum(s["trust_region"] for s in m2po_stats) / tokens
         return out
 
@@ -361,7 +366,7 @@ class DAPOTrainer:
         d, adv, mask = everything
         if algo.m2po_variant == "adaptive_clip":
             eps_low, eps_high, stats = m2po.adaptive_clip(d, adv, mask, algo.m2_threshold, algo.m2po_eps_low_min,
-                                                          algo.m2po_eps_high_max)
+                                                          algo.m2po_eps_high_min)
             return [(eps_low, eps_high)] * len(micro_batches), stats | {"eps_low": eps_low, "eps_high": eps_high}
         keep, stats = m2po.keep_mask(d, adv, mask, algo.m2_threshold)
         pieces = iter(torch.split(keep[offset : offset + local.shape[1]], [p.shape[1] for p in parts]))

@@ -147,30 +147,48 @@ def test_radius_is_the_largest_breakpoint_within_the_budget() -> None:
     assert m2po.solve_radius(t([1.0, 1.0]), 0.08) == 0.0  # capping at the smallest already exceeds S
 
 
-def test_adaptive_clip_hand_values_and_loss() -> None:
+def test_adaptive_clip_within_the_budget_leaves_the_ratio_unclipped() -> None:
+    ones = torch.ones(2, dtype=F64)
+    # M2 = 0.05² = 0.0025 ≤ τ = 0.04: τ* = ∞ → ε_low = max(1 − e^−∞, 0.3) = 1, ε_high = max(e^∞ − 1, 0.5) = ∞
+    # (the authors: clip_low 0, clip_high 100000 → no clip on either side)
+    eps_low, eps_high, stats = m2po.adaptive_clip(t([0.05, 0.05]), ones, ones, 0.04)
+    assert (eps_low, eps_high, stats["binds"]) == (1.0, math.inf, 0.0)
+    # no trust-region tokens at all (A > 0 with r < 1): the same
+    assert m2po.adaptive_clip(t([-1.0, -1.0]), ones, ones, 0.04)[:2] == (1.0, math.inf)
+    # an unclipped ratio far above 1.5 keeps its whole gradient
+    logp = t([2.0, 2.0], grad=True)
+    out = dapo_loss(logp, torch.zeros(2, dtype=F64), ones, ones, 2, eps_low=1.0, eps_high=math.inf, clip_ratio_c=None)
+    assert out.loss.item() == pytest.approx(-math.exp(2.0), abs=1e-9) and out.clipped.item() == 0
+
+
+def test_adaptive_clip_binding_with_a_small_radius_clips_at_the_floors() -> None:
     d = t([0.1, 0.2, 0.3, 0.5])  # all A > 0 with r > 1: the trust region
     adv = torch.ones(4, dtype=F64)
     eps_low, eps_high, stats = m2po.adaptive_clip(d, adv, torch.ones(4, dtype=F64), 0.04)
-    assert stats["radius"] == pytest.approx(0.2, abs=TOL)
+    # v = d² = [0.01, 0.04, 0.09, 0.25], M2 = 0.0975 > τ; S = 0.16: Σ min(v, v_j) = 0.04, 0.13, 0.23 → τ* = 0.2
+    assert stats["radius"] == pytest.approx(0.2, abs=TOL) and stats["binds"] == 1.0
     assert stats["m2"] == pytest.approx(0.39 / 4, abs=TOL) and stats["m2_after"] == pytest.approx(0.13 / 4, abs=TOL)
-    assert eps_low == 0.3  # max(1 − e^−0.2 ≈ 0.18, 0.3)
-    assert eps_high == pytest.approx(math.exp(0.2) - 1, abs=TOL)  # min(0.2214, 0.5)
+    assert eps_low == 0.3  # max(1 − e^−0.2 = 0.1813, 0.3)
+    assert eps_high == 0.5  # max(e^0.2 − 1 = 0.2214, 0.5): the floor, not the radius
     logp = d.clone().requires_grad_()
     out = dapo_loss(logp, torch.zeros(4, dtype=F64), adv, torch.ones(4, dtype=F64), 4, eps_low=eps_low,
                     eps_high=eps_high, clip_ratio_c=None)
-    cap = math.exp(0.2)
-    assert out.loss.item() == pytest.approx(-(math.exp(0.1) + 3 * cap) / 4, abs=1e-9)
-    assert out.clipped.item() == 2  # r = e^0.3, e^0.5 above e^0.2 (e^0.2 itself is at the bound)
-
-
-def test_adaptive_clip_without_need_and_at_radius_zero() -> None:
+    # r = e^0.1, e^0.2, e^0.3 < 1.5 stay; e^0.5 = 1.6487 is clipped to 1.5
+    assert out.loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(0.2) + math.exp(0.3) + 1.5) / 4, abs=1e-9)
+    assert out.clipped.item() == 1
+    # radius 0: ε_low = max(0, 0.3), ε_high = max(0, 0.5)
     ones = torch.ones(2, dtype=F64)
-    # M2 = 0.005 ≤ τ: no radius (∞) → ε_low = 1 (no lower clip), ε_high = the cap 0.5
-    assert m2po.adaptive_clip(t([0.05, 0.05]), ones, ones, 0.04)[:2] == (1.0, 0.5)
-    # no trust-region tokens at all (A > 0 with r < 1): the same
-    assert m2po.adaptive_clip(t([-1.0, -1.0]), ones, ones, 0.04)[:2] == (1.0, 0.5)
-    # radius 0: ε_low = max(0, 0.3), ε_high = min(0, 0.5) = 0
-    assert m2po.adaptive_clip(t([1.0, 1.0]), ones, ones, 0.04)[:2] == (0.3, 0.0)
+    assert m2po.adaptive_clip(t([1.0, 1.0]), ones, ones, 0.04)[:2] == (0.3, 0.5)
+
+
+def test_adaptive_clip_binding_with_a_large_radius_clips_at_the_radius() -> None:
+    # v = [0.25, 0.49, 4.0], τ = 0.5 → S = 1.5, M2 = 1.58 > τ. Σ min(v, v_j): j=0 0.75, j=1 1.23, j=2 4.74 ≥ S
+    # → τ*² = 0.49, τ* = 0.7: ε_high = e^0.7 − 1 = 1.0138 (above the floor 0.5), ε_low = max(1 − e^−0.7 = 0.5034, 0.3)
+    d, ones = t([0.5, 0.7, 2.0]), torch.ones(3, dtype=F64)
+    eps_low, eps_high, stats = m2po.adaptive_clip(d, ones, ones, 0.5)
+    assert stats["radius"] == pytest.approx(0.7, abs=TOL)
+    assert eps_high == pytest.approx(math.exp(0.7) - 1, abs=TOL) and eps_high == pytest.approx(1.013753, abs=1e-6)
+    assert eps_low == pytest.approx(1 - math.exp(-0.7), abs=TOL) and eps_low == pytest.approx(0.503415, abs=1e-6)
 
 
 # -------------------------------------------------------------------- TIS under the behaviour ref
