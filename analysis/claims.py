@@ -1,5 +1,6 @@
-"""The paper's four small-scale claims as numbers from the logs, each decided by a rule fixed here
-before the study's runs are looked at (issue #5; intervals over seeds since issue #19).
+"""The paper's small-scale claims as numbers from the logs, each decided by a rule fixed here before
+the study's runs are looked at: (a)–(d) first, then (e)–(h), whose rules were committed before any
+run was made or read for them (git log of this file).
 
 Every claim is decided on an interval over seeds: one number per seed (a paired difference where
 two methods are compared; runs are paired by seed), then the 95% Student-t interval of their mean,
@@ -26,6 +27,36 @@ mean ± t(0.975, n−1) · sd / √n. The verdict is three-valued:
     the share whose mean response length exceeds the median of all completed groups of that run.
     Per seed: PACE minus PACE (raw). Claim: < 0.
 
+(e) PACE reaches its peak validation average earlier in wall time than Sync and than Async (Figure 1,
+    the abstract). Per run: the training wall time (`Run.val.wall`, the time of the steps before the
+    validated version) of the first validation at the run's highest validation average, θ_0 included.
+    Per seed: PACE minus Sync and PACE minus Async, in seconds. Claim: both < 0 (holds if both hold;
+    does not hold if either does not). Wall times are only compared between runs made with nothing
+    else on the machine: a run listed as not comparable (`incomparable`: the study script's
+    runs.tsv) takes its seed out of this claim. With validations every `eval.every` steps the time is
+    one of a few values per run: a tie between methods needs more seeds, not a finer rule.
+(f) PACE rejects staler groups (Figure 6): the rejected groups' Waiting, Generation and Effective
+    Staleness lie above the retained (consumed) groups'. Per PACE run and quantity: the probability
+    that a rejected group's value exceeds a retained group's, ties counted half (the Mann–Whitney
+    common-language effect size, U / (n_rejected · n_retained); 0.5 = no difference). Per seed that
+    number; claim: > 0.5 for K_wait, K_gen and S_eff (holds if all three hold; does not hold if any
+    does not). A run that rejected nothing leaves its seed out.
+(g) The score ablation (Table 1): ranking by Effective Staleness learns at least as well as by Raw
+    Staleness, which learns at least as well as by Generation Staleness. Per seed: the learning
+    score of (c) of PACE minus PACE (raw), and of PACE (raw) minus PACE (gen). Claim: each > −MARGIN,
+    as in (c) (holds if both hold; does not hold if either interval is wholly below −MARGIN). The
+    paper compares mean@32 at each run's best checkpoint; the learning score (the mean over all
+    validations after θ_0) is used here because one best validation of a run is its noisiest number.
+(h) γ ∈ {1, 2, 4} give similar validation and training-reward trajectories: an equivalence claim.
+    Per seed, γ = 2 minus γ = 1 and γ = 4 minus γ = 1 of (i) the learning score of (c) and (ii) the
+    mean training reward over all steps (`train/reward_mean`, the area under the training-reward
+    curve). Equivalent when the 95% interval lies inside (−margin, +margin): EQUIV_VAL = 0.02 for
+    validation (the "as well" margin of (c) and (g), about one validation's standard deviation at
+    θ_0) and EQUIV_REWARD = 0.04 for the reward (rewards are ±1, so 0.04 of reward is the same two
+    points of accuracy). Holds if all four intervals lie inside; does not hold if any lies wholly
+    outside (beyond +margin or below −margin); otherwise inconclusive. (A 95% interval inside the
+    margin is stricter than the two one-sided tests at 5%, which use the 90% interval.)
+
 A claim whose runs are missing is reported as not tested. Every number comes from `Run` records.
 """
 from __future__ import annotations
@@ -42,6 +73,8 @@ from analysis.runs import Run
 LEVEL = 0.95
 MARGIN = 0.02  # (c): "as well" = at most 2 points of validation average worse (~ one validation's sd)
 TIME_SLACK = 0.10  # (c): "close to Async's wall time" = at most 10% more seconds per step
+EQUIV_VAL = 0.02  # (h): "similar" validation = within ±2 points (the margin of (c) and (g))
+EQUIV_REWARD = 0.04  # (h): "similar" training reward = within ±0.04 of a ±1 reward (2 points of accuracy)
 HOLDS, FAILS, OPEN = "holds", "does not hold", "inconclusive"
 
 
@@ -67,6 +100,15 @@ def above(iv: dict, bound: float) -> str:
     if iv["n"] < 2:
         return OPEN
     return HOLDS if iv["lo"] > bound else FAILS if iv["hi"] < bound else OPEN
+
+
+def within(iv: dict, margin: float) -> str:
+    """Verdict of "the quantity is within ±margin" (an equivalence claim)."""
+    if iv["n"] < 2:
+        return OPEN
+    if -margin < iv["lo"] and iv["hi"] < margin:
+        return HOLDS
+    return FAILS if iv["lo"] > margin or iv["hi"] < -margin else OPEN
 
 
 def combine(verdicts: list[str]) -> str:
@@ -193,7 +235,113 @@ def long_rejections(groups: dict[str, list[Run]]) -> dict:
                      "interval": iv}, below(iv, 0.0))
 
 
-def evaluate_claims(runs: list[Run]) -> dict:
+def _scorer(runs: list[Run]):
+    """The learning score of (c) when every run has the same kind, else last-tenth rollout accuracy for all."""
+    metrics = {learning_score(r)[1] for r in runs}
+    if len(metrics) == 1:
+        return (lambda r: learning_score(r)[0]), metrics.pop()
+    return (lambda r: _tenth(r.steps, "rollout/acc_mean", 1)), "last-tenth rollout accuracy"
+
+
+def time_to_peak(r: Run) -> float | None:
+    """Training wall seconds at the first validation with the run's highest validation average."""
+    if r.val.empty:
+        return None
+    return float(r.val["wall"].iloc[int(np.argmax(r.val["val/avg"].to_numpy()))])
+
+
+def earlier_peak(groups: dict[str, list[Run]], incomparable: frozenset[str] = frozenset()) -> dict:
+    keep = lambda label: [r for r in groups.get(label, []) if r.name not in incomparable and not r.val.empty]  # noqa: E731
+    pace = keep("PACE")
+    if not pace or not keep("Sync") or not keep("Async"):
+        return {"tested": False, "why": "needs PACE, Sync and Async runs with validations, made with nothing else on the machine"}
+    iv, parts, t, seeds = {}, {}, {"PACE": {}}, {}
+    for other in ("Sync", "Async"):
+        tp, to, diffs, seeds[other] = _paired(pace, keep(other), time_to_peak)
+        t["PACE"].update(tp)
+        t[other] = to
+        iv[other] = interval(diffs)
+        parts[f"earlier_than_{other.lower()}"] = below(iv[other], 0.0)
+    peak = {label: _mean(float(r.val["val/avg"].max()) for r in keep(label)) for label in ("PACE", "Sync", "Async")}
+    out = {"seeds": seeds, "time_to_peak_s": {k: _mean(v.values()) for k, v in t.items()}, "peak": peak,
+           "left_out": sorted(r.name for label in ("PACE", "Sync", "Async") for r in groups.get(label, [])
+                              if r.name in incomparable),
+           "parts": parts, "quantity": "per seed, PACE minus Sync / Async: wall seconds to the peak validation",
+           "interval": iv}
+    return _decided(out, combine(list(parts.values())))
+
+
+STALENESS_COLUMNS = {"k_wait": "Waiting Staleness", "k_gen": "Generation Staleness", "s_eff": "Effective Staleness"}
+
+
+def rejected_above_retained(r: Run) -> dict[str, float] | None:
+    """Per staleness column: P(rejected > retained) + ½ P(tie) over the run's groups (None: nothing rejected)."""
+    if r.groups.empty:
+        return None
+    rej, kept = r.groups[r.groups.fate == "rejected"], r.groups[r.groups.fate == "consumed"]
+    out = {}
+    for col in STALENESS_COLUMNS:
+        x, y = rej[col].dropna().to_numpy(float), kept[col].dropna().to_numpy(float)
+        if len(x) == 0 or len(y) == 0:
+            return None
+        out[col] = float(stats.mannwhitneyu(x, y).statistic) / (len(x) * len(y))
+    return out
+
+
+def rejected_staler(groups: dict[str, list[Run]]) -> dict:
+    per = {r.seed: rejected_above_retained(r) for r in groups.get("PACE", [])}
+    per = {s: v for s, v in per.items() if v is not None}
+    if not per:
+        return {"tested": False, "why": "needs PACE runs that rejected groups"}
+    iv = {col: interval([v[col] for v in per.values()]) for col in STALENESS_COLUMNS}
+    parts = {col: above(iv[col], 0.5) for col in STALENESS_COLUMNS}
+    return _decided({"seeds": sorted(per), "per_seed": per, "parts": parts,
+                     "quantity": "P(a rejected group's staleness > a retained one's), ties half", "interval": iv},
+                    combine(list(parts.values())))
+
+
+def score_ablation(groups: dict[str, list[Run]]) -> dict:
+    eff, raw, gen = (groups.get(k, []) for k in ("PACE", "PACE (raw)", "PACE (gen)"))
+    if not eff or not raw or not gen:
+        return {"tested": False, "why": "needs PACE, PACE (raw) and PACE (gen) runs"}
+    score, metric = _scorer(eff + raw + gen)
+    se, sr, d1, s1 = _paired(eff, raw, score)
+    _, sg, d2, s2 = _paired(raw, gen, score)
+    iv = {"effective_vs_raw": interval(d1), "raw_vs_generation": interval(d2)}
+    parts = {k: above(v, -MARGIN) for k, v in iv.items()}
+    out = {"seeds": sorted(set(s1) | set(s2)), "score_metric": metric, "margin": MARGIN, "parts": parts,
+           "scores": {"PACE": _mean(se.values()), "PACE (raw)": _mean(sr.values()), "PACE (gen)": _mean(sg.values())},
+           "quantity": "per seed, the learning score's difference (effective − raw; raw − generation)", "interval": iv}
+    return _decided(out, combine(list(parts.values())))
+
+
+def mean_reward(r: Run) -> float:
+    return float(r.steps["train/reward_mean"].mean())
+
+
+def gamma_equivalence(groups: dict[str, list[Run]]) -> dict:
+    base = groups.get("PACE", [])
+    others = {g: groups.get(f"PACE γ={g}", []) for g in (2, 4)}
+    if not base or not all(others.values()):
+        return {"tested": False, "why": "needs PACE runs at γ = 1, 2 and 4"}
+    score, metric = _scorer(base + others[2] + others[4])
+    iv, parts, means = {}, {}, {"score": {1: _mean(score(r) for r in base)}, "reward": {1: _mean(mean_reward(r) for r in base)}}
+    for g, rs in others.items():
+        for name, fn, margin in (("score", score, EQUIV_VAL), ("reward", mean_reward, EQUIV_REWARD)):
+            _, fo, diffs, _ = _paired(rs, base, fn)
+            means[name][g] = _mean(fo.values())
+            iv[f"gamma{g}_{name}"] = interval(diffs)
+            parts[f"gamma{g}_{name}"] = within(iv[f"gamma{g}_{name}"], margin)
+    out = {"score_metric": metric, "margins": {"score": EQUIV_VAL, "reward": EQUIV_REWARD}, "means": means,
+           "parts": parts, "quantity": "per seed, γ = 2 or 4 minus γ = 1 (learning score; mean training reward)",
+           "interval": iv}
+    return _decided(out, combine(list(parts.values())))
+
+
+def evaluate_claims(runs: list[Run], incomparable: frozenset[str] = frozenset()) -> dict:
+    """Every claim; ``incomparable``: names of runs whose wall time was not measured alone ((e) leaves them out)."""
     groups = by_label(runs)
     return {"a_stale_k": stale_k(groups), "b_backlog": backlog(groups),
-            "c_pace_vs_async": pace_vs_async(groups), "d_long_rejections": long_rejections(groups)}
+            "c_pace_vs_async": pace_vs_async(groups), "d_long_rejections": long_rejections(groups),
+            "e_time_to_peak": earlier_peak(groups, frozenset(incomparable)), "f_rejected_staler": rejected_staler(groups),
+            "g_score_ablation": score_ablation(groups), "h_gamma": gamma_equivalence(groups)}
