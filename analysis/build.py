@@ -33,7 +33,28 @@ FIGURES = {
 }
 
 
-def build(runs: list[Run], out: Path, within: int | None = None, report: bool = False, title: str = "") -> dict:
+def incomparable_runs(specs: list[str]) -> frozenset[str]:
+    """Runs whose wall time was not measured alone: "comparable" = no in the runs.tsv that
+    scripts/reproduce_tiny.sh keeps in a study folder (the last line of a run made twice counts)."""
+    latest = {}
+    for spec in specs:
+        tsv = Path(spec) / "runs.tsv"
+        if not tsv.is_file():
+            continue
+        lines = tsv.read_text().splitlines()
+        head = lines[0].split("\t") if lines else []
+        if "run" not in head or "comparable" not in head:
+            continue
+        i, j = head.index("run"), head.index("comparable")
+        for line in lines[1:]:
+            cells = line.split("\t")
+            if len(cells) > max(i, j):
+                latest[cells[i]] = cells[j]
+    return frozenset(name for name, ok in latest.items() if ok == "no")
+
+
+def build(runs: list[Run], out: Path, within: int | None = None, report: bool = False, title: str = "",
+          incomparable: frozenset[str] = frozenset()) -> dict:
     from pace.evaluation import latex_table, markdown_table
 
     out.mkdir(parents=True, exist_ok=True)
@@ -63,7 +84,8 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
                       "avg_interval": {label: interval([b["avg"] for b in rows]) for label, rows in where.items()}},
         "seconds_per_step": figures.phase_means(runs),
         "val_noise": val_noise(runs),
-        "claims": evaluate_claims(runs),
+        "claims": evaluate_claims(runs, incomparable),
+        "incomparable": sorted(incomparable & {r.name for r in runs}),
         "figures": made, "skipped": skipped,
     }
     (out / "numbers.json").write_text(json.dumps(numbers, indent=1, sort_keys=True, default=float))
@@ -138,7 +160,7 @@ def main() -> None:
             print(f"left out (not finished; --include-unfinished keeps them): {', '.join(unfinished)}", file=sys.stderr)
     if not runs:
         sys.exit("error: no runs found")
-    numbers = build(runs, args.out, args.within, args.report, args.title)
+    numbers = build(runs, args.out, args.within, args.report, args.title, incomparable_runs(args.specs))
     print(f"{len(runs)} runs ({', '.join(sorted({r.label for r in runs}))}) → {args.out}")
     print(f"figures: {', '.join(numbers['figures']) or 'none'}"
           + (f"; skipped (no runs for them): {', '.join(numbers['skipped'])}" if numbers["skipped"] else ""))

@@ -1,4 +1,4 @@
-"""report.md: the figures, Table 1 and the four claims in words, for a reader who has not read the code."""
+"""report.md: the figures, Table 1 and the claims in words, for a reader who has not read the code."""
 from __future__ import annotations
 
 import math
@@ -31,6 +31,12 @@ CLAIMS = {
     "b_backlog": "(b) Without filtering, a backlog forms and the Waiting Staleness of consumed data grows",
     "c_pace_vs_async": "(c) PACE lowers Waiting Staleness and learns at least as well as Async per step, at close to Async's wall time",
     "d_long_rejections": "(d) Effective ranking rejects fewer long responses than Raw ranking",
+    "e_time_to_peak": "(e) PACE reaches its peak validation accuracy earlier in wall time than Sync and Async (Figure 1)",
+    "f_rejected_staler": "(f) The groups PACE rejects are staler than those it keeps, in Waiting, Generation and "
+                         "Effective Staleness (Figure 6)",
+    "g_score_ablation": "(g) Ranking by Effective Staleness learns at least as well as by Raw, and Raw at least as well "
+                        "as by Generation Staleness (the score ablation)",
+    "h_gamma": "(h) γ = 1, 2 and 4 give similar validation and training-reward trajectories",
 }
 
 
@@ -95,31 +101,44 @@ def seeds_to_decide(iv: dict, bound: float, most: int = 200) -> int | None:
     return next((n for n in range(2, most + 1) if stats.t.ppf(q, n - 1) * sd / math.sqrt(n) < gap), None)
 
 
-BOUNDS = {"a_stale_k": {"": 0.0}, "b_backlog": {"occupancy": 0.0, "k_wait": 0.0},
-          "d_long_rejections": {"": 0.0}, "c_pace_vs_async": {"k_wait": 0.0, "score": None, "time_ratio": None}}
+def _parts(key: str, c: dict) -> list[tuple[str, dict, float, str]]:
+    """(name, interval, boundary, verdict) of each part of a claim, for the seeds an undecided one would need."""
+    from analysis.claims import above, below
+
+    iv = c["interval"]
+    if key in ("a_stale_k", "d_long_rejections"):
+        return [("", iv, 0.0, below(iv, 0.0))]
+    if key == "b_backlog":
+        return [(k, iv[k], 0.0, above(iv[k], 0.0)) for k in ("occupancy", "k_wait")]
+    if key == "c_pace_vs_async":
+        p = c["parts"]
+        return [("k_wait", iv["k_wait"], 0.0, p["lower_k_wait"]), ("score", iv["score"], -c["margin"], p["learns_as_well"]),
+                ("time_ratio", iv["time_ratio"], 1 + c["time_slack"], p["close_wall_time"])]
+    if key == "e_time_to_peak":
+        return [(f"vs {k}", iv[k], 0.0, c["parts"][f"earlier_than_{k.lower()}"]) for k in ("Sync", "Async")]
+    if key == "f_rejected_staler":
+        return [(k, iv[k], 0.5, c["parts"][k]) for k in iv]
+    if key == "g_score_ablation":
+        return [(k.replace("_", " "), iv[k], -c["margin"], c["parts"][k]) for k in iv]
+    if key == "h_gamma":  # the nearer edge of the margin: inside it (or wholly past it) is what decides
+        margin = lambda k: c["margins"]["score" if k.endswith("score") else "reward"]  # noqa: E731
+        return [(k.replace("_", " "), iv[k], margin(k) if iv[k]["mean"] >= 0 else -margin(k), c["parts"][k]) for k in iv]
+    return []
 
 
 def _needs(key: str, c: dict) -> str:
     """For an inconclusive claim: how many seeds the observed spread would take to decide each part."""
     if not c.get("tested") or c["verdict"] != "inconclusive":
         return ""
-    bounds = dict(BOUNDS[key])
-    if key == "c_pace_vs_async":
-        bounds.update(score=-c["margin"], time_ratio=1 + c["time_slack"])
-    from analysis.claims import OPEN, above, below
+    from analysis.claims import OPEN
 
-    decide = {"a_stale_k": below, "d_long_rejections": below, "b_backlog": above}.get(key)
-    c_parts = {"k_wait": "lower_k_wait", "score": "learns_as_well", "time_ratio": "close_wall_time"}
     out = []
-    for part, bound in bounds.items():
-        iv = c["interval"] if part == "" else c["interval"][part]
-        if iv["n"] < 2:
-            continue  # one seed: no spread to extrapolate from
-        if (c["parts"][c_parts[part]] if key == "c_pace_vs_async" else decide(iv, bound)) != OPEN:
-            continue  # this part is decided
+    for name, iv, bound, verdict in _parts(key, c):
+        if iv["n"] < 2 or verdict != OPEN:
+            continue  # one seed (no spread to extrapolate from), or decided
         n = seeds_to_decide(iv, bound)
-        name = "" if part == "" else f"{part}: "
-        out.append(f"{name}{'about ' + str(n) if n else 'more than 200 (or no spread measured)'} seeds")
+        label = f"{name}: " if name else ""
+        out.append(f"{label}{'about ' + str(n) if n else 'more than 200 (or no spread measured)'} seeds")
     if not out:
         return ""
     return " At the spread observed, an interval would exclude the boundary with " + "; ".join(out) + "."
@@ -136,6 +155,13 @@ NEXT = {
                        "else on the machine",
     "d_long_rejections": "a task whose long responses are the ones whose prefixes drift least (the paper's long "
                          "reasoning traces), i.e. a larger model on math with long responses: a GPU",
+    # (e)–(h): written with their rules, before any run was made or read for them
+    "e_time_to_peak": "validations more often than every 20 steps (the time to the peak takes one of six values per "
+                      "run), more seeds, and every run made with nothing else on the machine",
+    "f_rejected_staler": "more PACE runs that reject (a run that rejected nothing leaves its seed out)",
+    "g_score_ablation": "more seeds or longer runs: differences in learning smaller than the seed spread at 100 steps "
+                        "cannot be told apart",
+    "h_gamma": "more seeds (an equivalence holds only once the whole interval fits inside the margin)",
 }
 
 
@@ -161,7 +187,9 @@ def _claim_text(key: str, c: dict) -> str:
         parts = ", ".join(f"{k}: {_f(v)}" for k, v in c["early_rollout_acc"].items())
         return (f"Mean rollout accuracy over the first half of training, by lag (mean over seeds): {parts} "
                 f"({'monotone' if c['monotone'] else 'not monotone'} in the lag). Slope per doubling of k, "
-                f"per seed: {_iv(iv, 4)}; the claim needs it below 0.")
+                f"per seed: {_iv(iv, 4)}; the claim needs it below 0."
+                + ("" if c["monotone"] else " The means are not ordered lag by lag: the slope is a trend over the lags "
+                   "run, so a verdict on it speaks of the trend, not of every pair of neighbouring lags."))
     if key == "b_backlog":
         return (f"Async ({c['seeds']} seed(s)): pool occupancy {_f(c['occupancy_first_tenth'], 1)} groups in the "
                 f"first tenth of training → {_f(c['occupancy_last_tenth'], 1)} in the last (change "
@@ -181,6 +209,31 @@ def _claim_text(key: str, c: dict) -> str:
                 f"({e['rejected']} rejected, mean length {_f(e['rejected_len_mean'], 1)} tokens) vs raw "
                 f"{_f(r['share_long'])} ({r['rejected']} rejected, mean length {_f(r['rejected_len_mean'], 1)}); "
                 f"effective − raw {_iv(iv)}; the claim needs it below 0.")
+    if key == "e_time_to_peak":
+        t, pk, p = c["time_to_peak_s"], c["peak"], c["parts"]
+        left = f" Left out (wall time not measured alone): {', '.join(c['left_out'])}." if c["left_out"] else ""
+        return (f"Training wall time to the peak validation average (mean over seeds): PACE {_f(t['PACE'], 0)} s "
+                f"(peak {_f(pk['PACE'])}), Sync {_f(t['Sync'], 0)} s ({_f(pk['Sync'])}), Async {_f(t['Async'], 0)} s "
+                f"({_f(pk['Async'])}). PACE − Sync {_iv(iv['Sync'], 0)}: {p['earlier_than_sync']}; PACE − Async "
+                f"{_iv(iv['Async'], 0)}: {p['earlier_than_async']}; the claim needs both below 0.{left}")
+    if key == "f_rejected_staler":
+        from analysis.claims import STALENESS_COLUMNS
+
+        parts = "; ".join(f"{STALENESS_COLUMNS[k]} {_iv(iv[k], 3, sign=False)}: {c['parts'][k]}" for k in iv)
+        return (f"Probability that a rejected group is staler than a retained (consumed) one, ties counted half, per "
+                f"PACE run: {parts}; the claim needs each above 0.5.")
+    if key == "g_score_ablation":
+        sc, p = c["scores"], c["parts"]
+        return (f"{c['score_metric'].capitalize()}: effective {_f(sc['PACE'])}, raw {_f(sc['PACE (raw)'])}, generation "
+                f"{_f(sc['PACE (gen)'])}. Effective − raw {_iv(iv['effective_vs_raw'])}: {p['effective_vs_raw']}; "
+                f"raw − generation {_iv(iv['raw_vs_generation'])}: {p['raw_vs_generation']}; against a margin of "
+                f"−{c['margin']:.2f}.")
+    if key == "h_gamma":
+        m, p, mg = c["means"], c["parts"], c["margins"]
+        parts = "; ".join(f"γ={g} − γ=1 {_iv(iv[f'gamma{g}_{q}'])}: {p[f'gamma{g}_{q}']}" for q in ("score", "reward") for g in (2, 4))
+        return (f"{c['score_metric'].capitalize()} by γ (1, 2, 4): {', '.join(_f(m['score'][g]) for g in (1, 2, 4))}; mean "
+                f"training reward: {', '.join(_f(m['reward'][g]) for g in (1, 2, 4))}. {parts}. Equivalent when every "
+                f"interval lies inside ±{mg['score']:.2f} (score) and ±{mg['reward']:.2f} (reward).")
     return ""
 
 

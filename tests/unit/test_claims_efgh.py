@@ -2,6 +2,8 @@
 retained staleness (Figure 6), the score ablation and γ's equivalence, each with its verdicts."""
 from __future__ import annotations
 
+import dataclasses
+
 import pandas as pd
 import pytest
 
@@ -20,7 +22,8 @@ def _run(cfg: dict, seed: int, steps: dict, val: list[float] | None = None, grou
 
 
 SYNC, ASYNC, PACE = {"pool": {"name": "sync"}}, {"pool": {"name": "async"}}, {"pool": {"name": "pace"}}
-STEPS = {"rollout/acc_mean": [0.5] * 8, "train/reward_mean": [0.0] * 8}
+STEPS = {"rollout/acc_mean": [0.5] * 8, "train/reward_mean": [0.0] * 8, "pool/occupancy": [1.0] * 8,
+         "staleness/k_wait_mean": [1.0] * 8}
 
 
 def test_e_time_to_peak_is_the_first_best_validation_in_wall_time():
@@ -101,3 +104,36 @@ def test_h_gamma_is_equivalent_only_inside_both_margins():
     assert claims.within(claims.interval([0.01, 0.012, 0.011]), 0.02) == "holds"
     assert claims.within(claims.interval([0.05, 0.052, 0.051]), 0.02) == "does not hold"
     assert not claims.gamma_equivalence({"PACE": base, "PACE γ=2": close[2]})["tested"]
+
+
+def test_the_report_states_every_claim_and_the_seeds_an_open_one_needs(tmp_path):
+    from analysis.build import incomparable_runs
+    from analysis.claims import evaluate_claims
+    from analysis.report import write_report
+
+    fig6 = _fig6({"k_wait": [3, 5], "k_gen": [1, 2], "s_eff": [4, 6]}, {"k_wait": [1, 3], "k_gen": [0, 1], "s_eff": [1, 2]})
+    fig6["len_mean"] = 10.0
+    runs = []
+    for s, d in enumerate([0.0, 0.03, -0.02]):
+        runs += [_run(SYNC, s, STEPS, [0.1, 0.2, 0.3, 0.5, 0.4], seconds=2.0),
+                 _run(ASYNC, s, STEPS, [0.1, 0.2, 0.3, 0.4, 0.5]),
+                 _pace("raw", s, [0.5, 0.6]), _pace("generation", s, [0.4, 0.5]),
+                 _pace("effective", s, [0.5 + 2 * d, 0.6], gamma=2), _pace("effective", s, [0.5, 0.6], gamma=4)]
+        pace = _pace("effective", s, [0.6 + d, 0.5, 0.55, 0.55])  # its peak first, at version 2
+        runs.append(dataclasses.replace(pace, groups=fig6))
+    (tmp_path / "runs.tsv").write_text("run\tstarted (UTC)\tcommit\twall_s\trun_cpu_s\tother_cpu_s\tcomparable\n"
+                                       "sync_s2\tx\tc\t1\t1\t99\tno\nasync_s1\tx\tc\t1\t1\t99\tno\nasync_s1\tx\tc\t1\t1\t0\tyes\n")
+    incomparable = incomparable_runs([str(tmp_path)])
+    assert incomparable == {"sync_s2"}  # async_s1 was made again, alone
+    claims_ = evaluate_claims(runs, incomparable)
+    assert all(c["tested"] for k, c in claims_.items() if k not in ("a_stale_k", "d_long_rejections"))
+    assert claims_["e_time_to_peak"]["left_out"] == ["sync_s2"] and claims_["e_time_to_peak"]["seeds"]["Sync"] == [0, 1]
+    numbers = {"setup": {}, "runs": [], "claims": claims_, "figures": [], "skipped": []}
+    text = write_report(tmp_path, numbers).read_text()
+    for head in ("(e) PACE reaches", "(f) The groups PACE rejects", "(g) Ranking by Effective", "(h) γ = 1, 2 and 4"):
+        assert head in text, head
+    h = claims_["h_gamma"]
+    # γ = 2 − γ = 1 per seed: 0, +0.0225, −0.015 (a spread as wide as the ±0.02 margin): open, and the seeds it needs said
+    assert h["parts"]["gamma2_score"] == "inconclusive" and "gamma2 score: about" in text
+    assert h["parts"]["gamma4_score"] == "holds" and claims_["e_time_to_peak"]["verdict"] == "holds"
+    assert "Left out (wall time not measured alone): sync_s2" in text
