@@ -328,7 +328,7 @@ def gamma_equivalence(groups: dict[str, list[Run]]) -> dict:
     iv, parts, means = {}, {}, {"score": {1: _mean(score(r) for r in base)}, "reward": {1: _mean(mean_reward(r) for r in base)}}
     for g, rs in others.items():
         for name, fn, margin in (("score", score, EQUIV_VAL), ("reward", mean_reward, EQUIV_REWARD)):
-            _, fo, diffs, _ = _paired(rs, base, fn)
+            fo, _, diffs, _ = _paired(rs, base, fn)  # γ = g minus γ = 1, per seed
             means[name][g] = _mean(fo.values())
             iv[f"gamma{g}_{name}"] = interval(diffs)
             parts[f"gamma{g}_{name}"] = within(iv[f"gamma{g}_{name}"], margin)

@@ -94,10 +94,12 @@ def test_h_gamma_is_equivalent_only_inside_both_margins():
     h = claims.gamma_equivalence(groups)
     assert set(h["parts"]) == {"gamma2_score", "gamma2_reward", "gamma4_score", "gamma4_reward"}
     assert h["verdict"] == "holds" and h["means"]["reward"][1] == pytest.approx(0.1)
+    assert h["means"]["score"][2] == pytest.approx(0.55) and h["means"]["reward"][4] == pytest.approx(0.1)
     # γ = 4's reward 0.1 higher in every seed: outside ±0.04, does not hold
     groups["PACE γ=4"] = [_pace("effective", s, [0.5, 0.6], reward=0.2 + d, gamma=4) for s, d in enumerate([0.0, 0.01, -0.01])]
     h = claims.gamma_equivalence(groups)
     assert h["parts"]["gamma4_reward"] == "does not hold" and h["verdict"] == "does not hold"
+    assert h["means"]["reward"][4] == pytest.approx(0.2)  # γ = 4's own mean, not γ = 1's
     # spread wider than the margin: inconclusive
     groups["PACE γ=4"] = [_pace("effective", s, [0.5 + d, 0.6], reward=0.1, gamma=4) for s, d in enumerate([0.06, -0.06, 0.0])]
     assert claims.gamma_equivalence(groups)["parts"]["gamma4_score"] == "inconclusive"
