@@ -4,12 +4,15 @@
     python -m analysis.build runs/tiny_study --source wandb-offline --out /tmp/x  # offline wandb runs only
     python -m analysis.build --project pace --group pace_tiny-2026-11-30 --out reports/sweep   # online wandb
     python -m analysis.build wandb:me/pace/abc123 wandb:me/pace/def456 --out reports/two
+    python -m analysis.build reports/tiny/runs --out /tmp/r --report --previous reports/tiny/runs/previous_numbers.json
 
 Writes into --out: validation.{png,pdf} (Figures 1/5), stalek.{png,pdf} (Figure 3),
 pace_staleness.{png,pdf} (Figure 6), consumed_staleness.{png,pdf} (Figure 7),
 walltime.{png,pdf} (Figure 8), mean_at_k.{md,tex} (Table 1 at each run's best validation within
 --within updates), numbers.json (every number the figures, table and claims use) and, with
---report, report.md. A figure whose runs are absent is skipped and says so.
+--report, report.md (with --previous, an earlier numbers.json, also how each verdict moved). A run
+folder's runs.tsv (scripts/reproduce_tiny.sh) names runs not measured alone, which claim (e) leaves
+out. A figure whose runs are absent is skipped and says so.
 """
 from __future__ import annotations
 
@@ -53,8 +56,17 @@ def incomparable_runs(specs: list[str]) -> frozenset[str]:
     return frozenset(name for name, ok in latest.items() if ok == "no")
 
 
+def previous_verdicts(path: Path) -> dict:
+    """What an earlier numbers.json decided (for the report's "how the verdicts moved")."""
+    prev = json.loads(Path(path).read_text())
+    claims = {k: {"verdict": c["verdict"] if c.get("tested") else "not tested", "interval": c.get("interval")}
+              for k, c in prev.get("claims", {}).items()}
+    return {"file": str(path), "runs": len(prev.get("runs", [])),
+            "seeds": sorted({r["seed"] for r in prev.get("runs", [])}), "claims": claims}
+
+
 def build(runs: list[Run], out: Path, within: int | None = None, report: bool = False, title: str = "",
-          incomparable: frozenset[str] = frozenset()) -> dict:
+          incomparable: frozenset[str] = frozenset(), previous: Path | None = None) -> dict:
     from pace.evaluation import latex_table, markdown_table
 
     out.mkdir(parents=True, exist_ok=True)
@@ -88,6 +100,8 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
         "incomparable": sorted(incomparable & {r.name for r in runs}),
         "figures": made, "skipped": skipped,
     }
+    if previous is not None:
+        numbers["previous"] = previous_verdicts(previous)
     (out / "numbers.json").write_text(json.dumps(numbers, indent=1, sort_keys=True, default=float))
     if report:
         from analysis.report import write_report
@@ -140,6 +154,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--report", action="store_true", help="also write report.md")
     ap.add_argument("--title", default="")
+    ap.add_argument("--previous", type=Path, help="an earlier numbers.json: the report says how each verdict moved")
     ap.add_argument("--include-unfinished", action="store_true",
                     help="also use runs that are still going, were interrupted or failed (summary status)")
     args = ap.parse_args()
@@ -160,7 +175,9 @@ def main() -> None:
             print(f"left out (not finished; --include-unfinished keeps them): {', '.join(unfinished)}", file=sys.stderr)
     if not runs:
         sys.exit("error: no runs found")
-    numbers = build(runs, args.out, args.within, args.report, args.title, incomparable_runs(args.specs))
+    if args.previous is not None and not args.previous.is_file():
+        sys.exit(f"error: --previous {args.previous}: no such file")
+    numbers = build(runs, args.out, args.within, args.report, args.title, incomparable_runs(args.specs), args.previous)
     print(f"{len(runs)} runs ({', '.join(sorted({r.label for r in runs}))}) → {args.out}")
     print(f"figures: {', '.join(numbers['figures']) or 'none'}"
           + (f"; skipped (no runs for them): {', '.join(numbers['skipped'])}" if numbers["skipped"] else ""))

@@ -237,6 +237,33 @@ def _claim_text(key: str, c: dict) -> str:
     return ""
 
 
+def _gist(c: dict) -> str:
+    """A verdict and the mean(s) of the interval(s) it was decided on."""
+    iv = c.get("interval")
+    if not iv:
+        return c["verdict"]
+    if "n" in iv:
+        return f"{c['verdict']} ({iv['mean']:+.3g}, {iv['n']} seeds)"
+    return f"{c['verdict']} (" + "; ".join(f"{k} {v['mean']:+.3g}" for k, v in iv.items()) + f", {min(v['n'] for v in iv.values())} seeds)"
+
+
+def _moved(numbers: dict) -> list[str]:
+    """The previous report's verdicts beside these (the claims both decided; new ones as new)."""
+    prev = numbers.get("previous")
+    if not prev:
+        return []
+    out = ["## How the verdicts moved", "",
+           f"Against the previous report ({prev['file']}: {prev['runs']} runs, seeds "
+           f"{', '.join(map(str, prev['seeds']))}). Each verdict with the mean of the interval it was decided on.", "",
+           "| claim | before | now |", "| --- | --- | --- |"]
+    for key, name in CLAIMS.items():
+        c = numbers["claims"][key]
+        now = _gist(c) if c.get("tested") else "not tested"
+        before = _gist(prev["claims"][key]) if key in prev["claims"] else "(not a claim then)"
+        out.append(f"| {name.split(' ', 1)[0]} | {before} | {now} |")
+    return out + [""]
+
+
 def _seed_table(runs: list[dict], best: dict) -> list[str]:
     """Per method, the validation average over seeds with its 95% t-interval: best (Table 1's Avg.),
     final, and the mean over the validated versions after θ_0 (claim (c)'s learning score)."""
@@ -291,6 +318,7 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
         c = numbers["claims"][key]
         lines += [f"- {name}: {_verdict(c)}. {_claim_text(key, c)}{_needs(key, c)}".rstrip(), ""]
     lines += _summary(numbers["claims"])
+    lines += _moved(numbers)
     for name in numbers["figures"]:
         head, caption = CAPTIONS[name]
         lines += [f"## {head}", "", f"![{head}]({name}.png)", "", caption, ""]

@@ -130,8 +130,21 @@ def test_the_report_states_every_claim_and_the_seeds_an_open_one_needs(tmp_path)
     claims_ = evaluate_claims(runs, incomparable)
     assert all(c["tested"] for k, c in claims_.items() if k not in ("a_stale_k", "d_long_rejections"))
     assert claims_["e_time_to_peak"]["left_out"] == ["sync_s2"] and claims_["e_time_to_peak"]["seeds"]["Sync"] == [0, 1]
-    numbers = {"setup": {}, "runs": [], "claims": claims_, "figures": [], "skipped": []}
+    import json
+
+    from analysis.build import previous_verdicts
+
+    old = {"runs": [{"seed": 0}, {"seed": 1}], "claims": {
+        "c_pace_vs_async": {"tested": True, "verdict": "holds", "interval": {"k_wait": claims.interval([-2.0, -1.0])}},
+        "d_long_rejections": {"tested": False, "why": "no runs"}}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    numbers = {"setup": {}, "runs": [], "claims": claims_, "figures": [], "skipped": [],
+               "previous": previous_verdicts(tmp_path / "old.json")}
     text = write_report(tmp_path, numbers).read_text()
+    assert "## How the verdicts moved" in text and "2 runs, seeds 0, 1" in text
+    moved = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| (")}
+    assert "holds (k_wait -1.5, 2 seeds)" in moved["(c)"] and "| not tested |" in moved["(d)"]
+    assert "(not a claim then)" in moved["(e)"] and moved["(e)"].endswith("holds (Sync -10; Async -6, 2 seeds) |")
     for head in ("(e) PACE reaches", "(f) The groups PACE rejects", "(g) Ranking by Effective", "(h) γ = 1, 2 and 4"):
         assert head in text, head
     h = claims_["h_gamma"]
