@@ -78,9 +78,19 @@ def correct(log_rho: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor, n_
     return Correction(rho * keep, keep, zero, (mask - keep).sum())
 
 
+def on_policy_tokens(versions: torch.Tensor, first_versions: torch.Tensor, version: int, mask: torch.Tensor) -> torch.Tensor:
+    """0/1 (dtype of ``mask``): the counted tokens of responses generated wholly under θ_version,
+    their first token's version (``first_versions``, per token) included. A token labelled θ_v in a
+    response begun under θ_{v−1} is left out: an update lands with requests in flight keeping their
+    KV cache, so its context was computed under the older weights and its ℓ^μ is not log π_θv of
+    the trainer's recomputation (by up to ~1e-3 a token at the tiny lab's learning rate), though
+    nothing is wrong with the weights."""
+    return ((versions == version) & (first_versions == version)).to(mask.dtype) * mask
+
+
 def mismatch(logp: torch.Tensor, logp_behavior: torch.Tensor, on_policy: torch.Tensor) -> dict[str, float]:
-    """Sums over the on-policy tokens (``on_policy`` 0/1: tokens the engine generated with the
-    weights the trainer holds) of |log π − log μ| and of the k3 estimator of KL(μ ‖ π),
+    """Sums over the on-policy tokens (``on_policy`` 0/1: `on_policy_tokens`, tokens the engine
+    generated wholly with the weights the trainer holds) of |log π − log μ| and of the k3 estimator of KL(μ ‖ π),
     k3 = ρ − 1 − log ρ with ρ = π/μ (≥ 0; unbiased under samples from μ). Divided by ``tokens`` by
     the caller once summed over micro-batches and ranks."""
     d = (logp.detach() - logp_behavior).clamp(-BOUND, BOUND).to(torch.float64)

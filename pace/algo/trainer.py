@@ -115,6 +115,9 @@ def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = Fa
         "logp_behavior": torch.from_numpy(np.concatenate([t.logprobs for t in trajs]).astype(np.float32)),
         "advantages": torch.from_numpy(np.repeat(np.array([t.advantage for t in trajs], dtype=np.float32), n_resp)),
         "versions": torch.from_numpy(np.concatenate([t.versions for t in trajs]).astype(np.int64)),
+        # each token's response's first version (the mismatch guard's on-policy tokens: correction.on_policy_tokens)
+        "first_versions": torch.from_numpy(np.repeat(np.array([int(t.versions[0]) if len(t.versions) else -1
+                                                               for t in trajs], dtype=np.int64), n_resp)),
         "seq_ids": torch.from_numpy(np.repeat(np.arange(len(trajs)), n_resp)),
         "n_seqs": torch.tensor(len(trajs)),
         "pad_tokens": torch.tensor(float(input_ids.size - lengths.sum())),
@@ -320,7 +323,7 @@ class DAPOTrainer:
             stats["pad_tokens"] += b["pad_tokens"].item()
             stats["slots"] += b["slots"].item()
             if measure:
-                on_policy = (b["versions"] == self.version).to(mask.dtype) * mask
+                on_policy = correction.on_policy_tokens(b["versions"], b["first_versions"], self.version, mask)
                 mm = correction.mismatch(b["logp_prox"] if prox is not None else logp, b["logp_behavior"], on_policy)
                 for k, v in mm.items():
                     stats[f"mm_{k}"] += v

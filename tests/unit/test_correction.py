@@ -77,6 +77,17 @@ def test_weights_are_detached_and_bad_arguments_refused() -> None:
         correct(log_rho, ONES, SEQ, 2, "mis", "token", None)
 
 
+def test_on_policy_tokens_are_those_of_responses_wholly_under_the_trainers_weights() -> None:
+    from pace.algo.correction import on_policy_tokens
+
+    # three responses at trainer version 3: [3, 3] wholly on-policy; [2, 3, 3] begun under θ_2 (its
+    # θ_3 tokens have a θ_2 context: left out); [3, 3] with its second token masked (a tool output)
+    versions = torch.tensor([3, 3, 2, 3, 3, 3, 3])
+    first = torch.tensor([3, 3, 2, 2, 2, 3, 3])
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    assert on_policy_tokens(versions, first, 3, mask).tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+
+
 def test_mismatch_sums_on_policy_tokens_only() -> None:
     # d = log π − log μ = [0.1, 0, 5]; token 2 is stale (not on-policy): left out.
     logp, lb = torch.tensor([-1.0, -2.0, 0.0]), torch.tensor([-1.1, -2.0, -5.0])
