@@ -17,6 +17,12 @@
 # $OUT/runs.tsv gets one line per run made: when, at which commit, its wall time, and the CPU time
 # the rest of the machine used meanwhile (/proc/stat minus the run's own): a run during which other
 # work took more than 0.15 of a core is marked not comparable. setup.md lists them.
+#
+# Each finished run's records (metrics.jsonl, summary.json, its Hydra config, the per-group Parquet:
+# what analysis/ reads, ~0.6 MB) are copied to $RECORDS (default $REPORT/runs, kept in git), with
+# runs.tsv; a run found there and not in $OUT is copied back first, so a study carried on on a fresh
+# machine skips what is already done, and `python -m analysis.build reports/tiny/runs` rebuilds the
+# report from the repository alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +31,7 @@ REPORT=${REPORT:-reports/tiny}
 STEPS=${STEPS:-100}
 SEEDS=${SEEDS:-"0 1 2 3 4"}  # 5: what the methods claims need at the spread 3 seeds showed (reports/tiny)
 ONLY=${ONLY:-}
+RECORDS=${RECORDS:-$REPORT/runs}
 EXTRA=("$@")
 
 declare -A METHOD=(
@@ -44,7 +51,20 @@ done
 finished() { [[ -f "$1/summary.json" ]] && grep -q '"status": "finished"' "$1/summary.json"; }
 busy_jiffies() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9; exit}' /proc/stat; }  # all cores, 1/100 s
 
-mkdir -p "$OUT/logs"
+keep_records() {  # run dir → its records under $RECORDS
+  local src=$1 dst=$RECORDS/$(basename "$1")
+  rm -rf "$dst" && mkdir -p "$dst/.hydra" "$dst/groups"
+  cp "$src/metrics.jsonl" "$src/summary.json" "$dst/"
+  cp "$src"/.hydra/{config,overrides}.yaml "$dst/.hydra/"
+  cp "$src"/groups/*.parquet "$dst/groups/" 2>/dev/null || true
+}
+
+mkdir -p "$OUT/logs" "$RECORDS"
+for rec in "$RECORDS"/*/; do  # runs of this study made on another machine (or before $OUT was removed)
+  name=$(basename "$rec")
+  if finished "$rec" && ! finished "$OUT/$name"; then rm -rf "${OUT:?}/$name" && cp -r "$rec" "$OUT/$name"; fi
+done
+[[ -f "$OUT/runs.tsv" || ! -f "$RECORDS/runs.tsv" ]] || cp "$RECORDS/runs.tsv" "$OUT/runs.tsv"
 [[ -f "$OUT/runs.tsv" ]] || printf "run\tstarted (UTC)\tcommit\twall_s\trun_cpu_s\tother_cpu_s\tcomparable\n" >"$OUT/runs.tsv"
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)  # the code the runs are made with
 git diff --quiet HEAD -- . ':(exclude)reports' 2>/dev/null || commit="${commit}+dirty"  # code, not this script's own reports
@@ -68,6 +88,7 @@ for spec in "${runs[@]}"; do
     '{own = $1 + $2; printf "%.1f %.1f %.1f", t1 - t0, (j1 - j0) / 100 - own, own}' "$OUT/logs/$name.cpu")"
   ok=$(awk -v o="$other" -v w="$wall" 'BEGIN {print (o / w <= 0.15) ? "yes" : "no"}')
   printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\n" "$name" "$when" "$commit" "$wall" "$own" "$other" "$ok" >>"$OUT/runs.tsv"
+  keep_records "$dir" && cp "$OUT/runs.tsv" "$RECORDS/runs.tsv"
   echo "[$i/${#runs[@]}] $name: ${wall} s (other work on the machine: ${other} CPU s; comparable: $ok)"
 done
 elapsed=$(( $(date +%s) - start ))
@@ -87,5 +108,7 @@ git diff --quiet HEAD -- analysis 2>/dev/null || built="${built}+dirty"
   awk -F'\t' 'NR == 1 {print "| " $1 " | " $2 " | " $3 " | wall (s) | other work (CPU s) | comparable |"; print "| --- | --- | --- | --- | --- | --- |"; next}
               {print "| " $1 " | " $2 " | " $3 " | " $4 " | " $6 " | " $7 " |"}' "$OUT/runs.tsv"
 } >"$REPORT/setup.md"
-python -m analysis.build "$OUT" --out "$REPORT" --report --title "PACE at small scale: a CPU reproduction"
+prev=()  # the numbers of the study this one replaces, if kept: the report says how each verdict moved
+[[ -f "$RECORDS/previous_numbers.json" ]] && prev=(--previous "$RECORDS/previous_numbers.json")
+python -m analysis.build "$OUT" --out "$REPORT" --report --title "PACE at small scale: a CPU reproduction" "${prev[@]}"
 echo "study: ${elapsed} s; report: $REPORT/report.md"
