@@ -134,3 +134,13 @@ def test_every_config_key_and_file_the_docs_name_exists():
             if not (ROOT / rel).exists() and not rel.startswith(("runs/", "data/", "outputs/", "/")):
                 missing.append(f"{page.name}: file {rel}")
     assert not missing, "\n".join(missing)
+
+
+def test_the_config_reference_is_the_schema():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    assert (ROOT / "docs" / "config-reference.md").read_text() == ref.render(), \
+        "docs/config-reference.md is out of date: python scripts/config_reference.py"
