@@ -43,7 +43,7 @@ def commands(path: Path) -> list[str]:
     for block in _blocks(path):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split(" # ")[0].strip()
-            if not line or line.startswith("#"):
+            if not line or line.startswith("#") or any(ch in line for ch in "─►│"):  # comments, diagrams
                 continue
             try:
                 words = shlex.split(line)
