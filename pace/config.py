@@ -65,12 +65,12 @@ class RolloutConfig:
     top_p: float = 1.0
     # Cap on groups submitted and not yet pooled. The tiny default's 128 groups (1024 sequences)
     # make production outrun training on 2 CPU cores, so an unfiltered pool builds a backlog as
-    # in the paper's runs (README "The backlog").
+    # in the paper's runs (docs/pool-policies.md "The backlog").
     max_inflight_groups: int = 128
     # A checkpoint (a stop's or a periodic one) keeps the groups in flight: finished responses, and
     # each unfinished one's tokens with their log-probs and versions; `resume=` continues them
     # (prompt + kept tokens prefilled, the rest generated under the resumed weights). false: they
-    # are dropped, their prompts returned to the sampler (README "Checkpoints, resume and failures").
+    # are dropped, their prompts returned to the sampler (docs/checkpoints.md "Checkpoints, resume and failures").
     resume_inflight: bool = True
     sync_every: int = 1  # weight sync every N training steps
     max_model_len: int = 256
@@ -83,7 +83,7 @@ class RolloutConfig:
     # fixed seed the run is repeatable, and a resumed run equals it. Off by default: it puts the
     # grading latency on the rollout's path. Asynchronous runs stay timing-dependent either way.
     deterministic: bool = False
-    # CPU engine only: KV cache GiB, and OMP threads/binding of the engine (see README "CPU threads").
+    # CPU engine only: KV cache GiB, and OMP threads/binding of the engine (see docs/gpu.md "CPU threads").
     kv_cache_gib: int = 1
     cpu_threads: int = 1
     cpu_threads_bind: str = "nobind"
@@ -91,12 +91,12 @@ class RolloutConfig:
     # `</code>`, the program runs in the sandbox (`tools`), its output is appended between
     # interpreter tags and generation resumes; the response budget (max_tokens) counts both.
     max_tool_calls: int = 0
-    # Placement (pace/rollout/engine.py, README "Paper runs on GPUs"). `engines` data-parallel
+    # Placement (pace/rollout/engine.py, docs/gpu.md "Paper runs on GPUs"). `engines` data-parallel
     # vLLM engines of `tensor_parallel_size` GPUs each; their cores run in this process (inproc)
     # or in their own (child). auto: inproc for one trainer process on CPU, else child.
     engines: int = 1
     engine_process: str = "auto"  # auto | inproc | child | server
-    # server: the engines are vLLM HTTP servers (pace/rollout/remote.py, README "Rollout engines on
+    # server: the engines are vLLM HTTP servers (pace/rollout/remote.py, docs/gpu.md "Rollout engines on
     # other nodes"): these URLs (http://host:port, started by scripts/launch_rollout_server.sh on any
     # host), or, when empty, `engines` servers this run starts on 127.0.0.1 and stops at its end
     servers: list[str] = field(default_factory=list)
@@ -143,7 +143,7 @@ class RewardConfig:
 @dataclass
 class PoolConfig:
     # sync | async | stale_k | gate | pace, or a policy of your own by import path,
-    # `my_package.module:MyPolicy` (README "Writing a pool policy")
+    # `my_package.module:MyPolicy` (docs/pool-policies.md "Writing a pool policy")
     name: str = "async"
     # Keyword arguments of a policy given by import path (`+pool.args.keep=3`); unused by the built-in ones
     args: Dict[str, Any] = field(default_factory=dict)
@@ -165,7 +165,7 @@ class PaceConfig:
     ema: float = 0.9  # β of the rejection rate ρ
     score_window: int = 512  # PFS values the percentile rank u is taken over
     prefix_tokens: int = 16  # m: response tokens rescored for the PFS
-    # Which of the R_j highest-scoring groups are rejected at step j (README "Selection"): `pool`
+    # Which of the R_j highest-scoring groups are rejected at step j (docs/pool-policies.md "Selection"): `pool`
     # rejects all of them, wherever they are in the pool; `draw` (the paper's wording: the trainer
     # draws groups in completion order, filtering, until it has B) only those drawn before the B-th
     # kept group; the others stay pooled. The batch of step j is the same under both.

@@ -7,7 +7,7 @@ signal but RL barely moves it (issue #19: +1 point in 100 steps). So the warm st
 long enough to do every level (``TinySpec.sft_steps``) on traces of which a fraction
 (``TinySpec.error_fraction``) carries one slipped step: the model samples slips at
 temperature 1 (~37% correct on the training mix, falling with the level), and RL can remove
-them (+24 to +26 points of validation in 100 steps of `+exp=sync_tiny`, README "Measured").
+them (+24 to +26 points of validation in 100 steps of `+exp=sync_tiny`, docs/benchmarks.md "Measured").
 ``meta.json`` in the built directory records what was measured.
 
 The directory is a plain Hugging Face checkpoint (float32 safetensors + tokenizer files):

@@ -27,8 +27,8 @@ class TinySpec:
     head_dim: int = 32
     intermediate_size: int = 384
     max_position_embeddings: int = 256
-    # SFT warm start; sft_steps sets how far the model gets. 1,500 steps with error_fraction = 0.4
-    # (issue #19): the model can do every level but samples slips, ~37% correct at temperature 1
+    # SFT warm start; sft_steps sets how far the model gets. 1,500 steps with error_fraction = 0.4:
+    # the model can do every level but samples slips, ~37% correct at temperature 1
     sft_steps: int = 1500
     batch_size: int = 64
     lr: float = 3e-3  # peak; linear warmup, cosine decay to lr/10
@@ -38,24 +38,24 @@ class TinySpec:
     eval_prompts: int = 400
     eval_max_new_tokens: int = 96
     seed: int = 0
-    # The tool-use variant (issue #7): SFT on the tool task instead of `task`, `tool_fraction` of
+    # The tool-use variant: SFT on the tool task instead of `task`, `tool_fraction` of
     # the traces calling the tool and the rest answering directly (see pace/tasks/tool_arithmetic).
     tool: Optional[ToolArithmeticSpec] = None
     tool_fraction: float = 0.25
-    # Issue #19: this fraction of the arithmetic SFT traces answers at once ("Answer: N", no worked
+    # This fraction of the arithmetic SFT traces answers at once ("Answer: N", no worked
     # steps), which the model cannot compute for the longer levels: a sampled strategy whose
     # mistakes RL can remove by choosing the worked solution. 0: every trace is worked.
     direct_fraction: float = 0.0
-    # Issue #19: this fraction of the arithmetic SFT traces has one worked step with a wrong result
-    # (1-9 too high, the rest of the chain consistent with it): sampled slips RL can remove. The
-    # default since issue #19 (before: 700 steps, no slips; RL hardly moved it, README "Measured").
+    # This fraction of the arithmetic SFT traces has one worked step with a wrong result (1-9 too
+    # high, the rest of the chain consistent with it): sampled slips RL can remove (without them,
+    # 700 SFT steps gave a model RL hardly moved).
     error_fraction: float = 0.4
 
     def key(self) -> str:
         fields = asdict(self)
         if self.tool is None:  # the arithmetic model's key (and cache) predates the tool variant
             del fields["tool"], fields["tool_fraction"]
-        for name in ("direct_fraction", "error_fraction"):  # issue #19's knobs: earlier caches stay valid
+        for name in ("direct_fraction", "error_fraction"):  # knobs added later: earlier caches stay valid
             if not fields[name]:
                 del fields[name]
         blob = json.dumps({"build_version": BUILD_VERSION, **fields}, sort_keys=True)

@@ -1,4 +1,4 @@
-"""A pool policy of one's own, loaded by import path (README "Writing a pool policy"):
+"""A pool policy of one's own, loaded by import path (docs/pool-policies.md "Writing a pool policy"):
 
     python train.py pool.name=examples.pool_policies.freshest:FreshestPolicy +pool.args.keep=2
 

@@ -1,6 +1,6 @@
 """Pool policies by name (`pool.name`). Each is a few lines over `PoolPolicy` (DESIGN §3 table).
 A `pool.name` of the form `module.path:ClassName` loads a policy from outside the package
-(`pace/pool/plugins.py`, README "Writing a pool policy")."""
+(`pace/pool/plugins.py`, docs/pool-policies.md "Writing a pool policy")."""
 from __future__ import annotations
 
 import numpy as np

@@ -9,5 +9,5 @@ rejection and batch, while the vLLM engines, the trainer and the responses are m
     fit.py        `python -m pace.sim.fit <run dir>`: a scenario fitted to a real run's logs
     config.py     the `sim` schema on top of the run's own
 
-`python simulate.py +sim=<scenario> [+exp=<preset>] [overrides]` (README "Simulating a cluster run").
+`python simulate.py +sim=<scenario> [+exp=<preset>] [overrides]` (docs/simulator.md "Simulating a cluster run").
 """

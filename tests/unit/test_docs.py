@@ -1,0 +1,146 @@
+"""The documentation cannot rot silently: every command in a code block of README.md and docs/*.md
+that names this project's entry points is checked against the code, and every config key and
+file the text names exists.
+
+- `python train.py …`, `accelerate launch … train.py …`, `torchrun … train.py …`, `python eval.py …`,
+  `python simulate.py …`: the Hydra overrides compose on the real conf/ (for a sweep, `a=1,2` is
+  composed with its first value), so a renamed key or preset fails here;
+- `python scripts/x.py --flag`, `python -m pkg.module --flag`, `bash scripts/x.sh`: the file exists
+  and each `--flag` appears in its source;
+- `group.key` in backquotes (a top-level group of the schema: `rollout.engine_timeout_s`,
+  `pace.gamma`): the key exists in the composed default config;
+- a backquoted path with a file suffix (`analysis/claims.py`): the file exists.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from pace.config import register
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+CONFIG_OF = {"train.py": "config", "eval.py": "evaluate", "simulate.py": "simulate"}
+PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.|…")
+
+register()
+
+
+def _blocks(path: Path) -> list[str]:
+    return re.findall(r"^```(?:bash|sh|shell|console)?\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def commands(path: Path) -> list[str]:
+    """Shell lines of a page's code blocks: continuations joined, comments and env prefixes dropped."""
+    out = []
+    for block in _blocks(path):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" # ")[0].strip()
+            if not line or line.startswith("#") or any(ch in line for ch in "─►│"):  # comments, diagrams
+                continue
+            try:
+                words = shlex.split(line)
+            except ValueError:
+                continue
+            while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value prefixes
+                words.pop(0)
+            if words:
+                out.append(words)
+    return out
+
+
+def _entry(words: list[str]) -> tuple[str, list[str]] | None:
+    """(entry point, its arguments) of a project command, or None."""
+    for i, w in enumerate(words):
+        name = Path(w).name
+        if name in CONFIG_OF and (i == 0 or words[0] in ("python", "accelerate", "torchrun", "srun")):
+            return name, words[i + 1:]
+        if words[0] in ("python", "bash", "sbatch", "srun") and (w.startswith("scripts/") or w.endswith((".py", ".sh"))):
+            return w, words[i + 1:]
+        if words[0] == "python" and w == "-m" and i + 1 < len(words):
+            return words[i + 1], words[i + 2:]
+    return None
+
+
+def _cases():
+    for page in DOCS:
+        for words in commands(page):
+            got = _entry(words)
+            if got is not None:
+                yield pytest.param(page.name, *got, id=f"{page.name}: {' '.join(words)[:90]}")
+
+
+def _compose(config: str, args: list[str]):
+    overrides = []
+    for a in args:
+        if a in ("-m", "--multirun") or a.startswith(("hydra.", "-")) or PLACEHOLDER.search(a) or "=" not in a:
+            continue
+        key, _, value = a.partition("=")
+        if "," in value and not value.startswith("["):  # a sweep: its first value
+            value = value.split(",")[0]
+        overrides.append(f"{key}={value}")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name=config, overrides=overrides)
+    OmegaConf.to_container(cfg, resolve=False)  # every key typed by the schema
+    return cfg
+
+
+@pytest.mark.parametrize("page, entry, args", list(_cases()))
+def test_a_documented_command_matches_the_code(page, entry, args):
+    if entry in CONFIG_OF:
+        _compose(CONFIG_OF[entry], args)
+        return
+    if entry.endswith((".py", ".sh")) or "/" in entry:
+        source = ROOT / entry
+    else:  # a module
+        module = ROOT / Path(*entry.split("."))
+        source = module.with_suffix(".py") if module.with_suffix(".py").exists() else module / "__main__.py"
+        if not source.exists() and not entry.startswith(("pace", "analysis", "scripts", "tests")):
+            pytest.skip(f"{entry}: not this project's module")
+    assert source.exists(), f"{page}: {entry} does not exist"
+    text = source.read_text()
+    for flag in (a.split("=")[0] for a in args if a.startswith("--")):
+        assert f'"{flag}"' in text or f"'{flag}'" in text or f"{flag} " in text or f"{flag})" in text, \
+            f"{page}: {entry} has no option {flag}"
+
+
+def _default_config():
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="config")
+
+
+KEY = re.compile(r"`([a-z_]+(?:\.[a-z0-9_]+)+)(?:=[^`]*)?`")
+PATH = re.compile(r"`((?:[\w.-]+/)+[\w.-]+\.(?:py|sh|yaml|md|json|txt))`")
+
+
+def test_every_config_key_and_file_the_docs_name_exists():
+    cfg = _default_config()
+    groups = set(cfg.keys())
+    missing = []
+    for page in DOCS:
+        text = page.read_text()
+        for key in KEY.findall(text):
+            head = key.split(".")[0]
+            if head in groups and OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
+                missing.append(f"{page.name}: config key {key}")
+        for rel in PATH.findall(text):
+            if not (ROOT / rel).exists() and not rel.startswith(("runs/", "data/", "outputs/", "/")):
+                missing.append(f"{page.name}: file {rel}")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_config_reference_is_the_schema():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "scripts" / "config_reference.py")
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    assert (ROOT / "docs" / "config-reference.md").read_text() == ref.render(), \
+        "docs/config-reference.md is out of date: python scripts/config_reference.py"
