@@ -155,14 +155,15 @@ def pace_retained_vs_rejected(runs: list[Run], label: str = "PACE"):
 
 
 def consumed_staleness(runs: list[Run], labels=("Async", "PACE")):
-    """Staleness of the groups each method trained on (Figure 7)."""
+    """Staleness of the groups each method trained on (Figure 7): both methods side by side, or the
+    one present (a single run is drawn too: its own decomposition)."""
     data = {}
     for label, rs in by_label(runs).items():
-        if label in labels:
-            g = pd.concat([r.groups for r in rs if not r.groups.empty], ignore_index=True)
-            if not g.empty:
-                data[label] = g[g.fate == "consumed"]
-    if len(data) < 2:
+        frames = [r.groups for r in rs if not r.groups.empty]
+        if label in labels and frames:
+            g = pd.concat(frames, ignore_index=True)
+            data[label] = g[g.fate == "consumed"]
+    if not data:
         return None
     cols = [*STALENESS, ("k", "Staleness $K$")]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))

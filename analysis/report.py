@@ -242,9 +242,13 @@ def _gist(c: dict) -> str:
     iv = c.get("interval")
     if not iv:
         return c["verdict"]
+    def seeds(n: int) -> str:
+        return "1 seed" if n == 1 else f"{n} seeds"
+
     if "n" in iv:
-        return f"{c['verdict']} ({iv['mean']:+.3g}, {iv['n']} seeds)"
-    return f"{c['verdict']} (" + "; ".join(f"{k} {v['mean']:+.3g}" for k, v in iv.items()) + f", {min(v['n'] for v in iv.values())} seeds)"
+        return f"{c['verdict']} ({iv['mean']:+.3g}, {seeds(iv['n'])})"
+    return (f"{c['verdict']} (" + "; ".join(f"{k} {v['mean']:+.3g}" for k, v in iv.items())
+            + f", {seeds(min(v['n'] for v in iv.values()))})")
 
 
 def _moved(numbers: dict) -> list[str]:

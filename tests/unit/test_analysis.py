@@ -219,3 +219,16 @@ def test_the_report_says_how_many_seeds_an_undecided_claim_would_need():
          "parts": {"lower_k_wait": "holds", "learns_as_well": "inconclusive", "close_wall_time": "holds"},
          "interval": {"k_wait": iv, "score": claims.interval([0.01, -0.02, 0.0]), "time_ratio": iv}}
     assert _needs("c_pace_vs_async", c).count("seeds") == 1 and "score: about" in _needs("c_pace_vs_async", c)
+
+
+def test_figure_7_draws_one_method_alone_and_skips_a_run_without_groups():
+    from analysis import figures
+
+    groups = pd.DataFrame({"fate": ["consumed", "consumed", "rejected"], "k_wait": [1.0, 3.0, 9.0],
+                           "k_gen": [0.5, 0.0, 1.0], "k": [1.5, 3.0, 10.0]})
+    async_run = _run({"pool": {"name": "async"}}, {"reward/mean": [0.0, 0.1]}, groups)
+    fig = figures.consumed_staleness([async_run])
+    assert fig is not None and [ax.get_title() for ax in fig.axes][:3] == [
+        "Waiting Staleness $K_{wait}$", "Generation Staleness $K_{gen}$", "Staleness $K$"]
+    assert figures.consumed_staleness([_run({"pool": {"name": "async"}}, {"reward/mean": [0.0]})]) is None
+    assert figures.consumed_staleness([_run({"pool": {"name": "sync"}}, {"reward/mean": [0.0]}, groups)]) is None

@@ -152,3 +152,12 @@ def test_the_report_states_every_claim_and_the_seeds_an_open_one_needs(tmp_path)
     assert h["parts"]["gamma2_score"] == "inconclusive" and "gamma2 score: about" in text
     assert h["parts"]["gamma4_score"] == "holds" and claims_["e_time_to_peak"]["verdict"] == "holds"
     assert "Left out (wall time not measured alone): sync_s2" in text
+
+
+def test_a_verdict_gist_says_seed_in_the_singular_for_one():
+    from analysis.report import _gist
+
+    one = {"verdict": "inconclusive", "interval": {"mean": 0.5, "n": 1}}
+    two = {"verdict": "holds", "interval": {"Sync": {"mean": -1.0, "n": 2}, "Async": {"mean": -2.0, "n": 3}}}
+    assert _gist(one) == "inconclusive (+0.5, 1 seed)"
+    assert _gist(two) == "holds (Sync -1; Async -2, 2 seeds)"
