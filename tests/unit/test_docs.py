@@ -1,6 +1,6 @@
 """The documentation cannot rot silently: every command in a code block of README.md and docs/*.md
 that names this project's entry points is checked against the code, and every config key and
-file the text names exists.
+file the text names exists, and every link between the pages resolves.
 
 - `python train.py …`, `accelerate launch … train.py …`, `torchrun … train.py …`, `python eval.py …`,
   `python simulate.py …`: the Hydra overrides compose on the real conf/ (for a sweep, `a=1,2` is
@@ -9,7 +9,9 @@ file the text names exists.
   and each `--flag` appears in its source;
 - `group.key` in backquotes (a top-level group of the schema: `rollout.engine_timeout_s`,
   `pace.gamma`): the key exists in the composed default config;
-- a backquoted path with a file suffix (`analysis/claims.py`): the file exists.
+- a backquoted path with a file suffix (`analysis/claims.py`): the file exists;
+- a relative link (`[lab](docs/lab.md#claims)`, an image): its file exists and so does the heading
+  its anchor names (GitHub's anchors).
 """
 from __future__ import annotations
 
@@ -156,3 +158,35 @@ def test_the_config_reference_is_the_schema():
     spec.loader.exec_module(ref)
     assert (ROOT / "docs" / "config-reference.md").read_text() == ref.render(), \
         "docs/config-reference.md is out of date: python scripts/config_reference.py"
+
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`|\*\*|\*|_(?=\w)|(?<=\w)_", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)  # no headings inside code
+    return {anchor(h) for h in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M)}
+
+
+def test_every_relative_link_and_anchor_resolves():
+    broken = []
+    for page in DOCS:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in (a or b for a, b in LINK.findall(text)):
+            if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            rel, _, frag = target.partition("#")
+            dest = (page.parent / rel).resolve() if rel else page
+            if rel and not dest.is_relative_to(ROOT):
+                continue  # outside this repository (the project's shared folder)
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif frag and dest.suffix == ".md" and frag not in anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no heading #{frag} in {dest.name})")
+    assert not broken, "\n".join(broken)
