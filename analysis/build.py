@@ -8,10 +8,11 @@
 
 Writes into --out: validation.{png,pdf} (Figures 1/5), stalek.{png,pdf} (Figure 3),
 pace_staleness.{png,pdf} (Figure 6), consumed_staleness.{png,pdf} (Figure 7),
-walltime.{png,pdf} (Figure 8), mean_at_k.{md,tex} (Table 1 at each run's best validation within
---within updates), numbers.json (every number the figures, table and claims use) and, with
---report, report.md (with --previous, an earlier numbers.json, also how each verdict moved). A run
-folder's runs.tsv (scripts/reproduce_tiny.sh) names runs not measured alone, which claim (e) leaves
+pool_over_time.{png,pdf} (occupancy and PACE's rejections per step), walltime.{png,pdf}
+(Figure 8), mean_at_k.{md,tex} (Table 1 at each run's best validation within --within updates),
+numbers.json (every number the figures, table and claims use) and, with --report, report.md (with
+--previous, an earlier numbers.json, also how each verdict moved). A run folder's runs.tsv
+(scripts/reproduce_tiny.sh) names runs not measured alone, which claim (e) leaves
 out. A figure whose runs are absent is skipped and says so.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ FIGURES = {
     "stalek": figures.stalek_curves,
     "pace_staleness": figures.pace_retained_vs_rejected,
     "consumed_staleness": figures.consumed_staleness,
+    "pool_over_time": figures.pool_over_time,
     "walltime": figures.walltime_breakdown,
 }
 

@@ -176,6 +176,37 @@ def consumed_staleness(runs: list[Run], labels=("Async", "PACE")):
     return fig
 
 
+# ---------------------------------------------------------------- the pool over time
+
+
+def pool_over_time(runs: list[Run], labels=("Async", "PACE"), window: int = 5):
+    """The pool each step draws from: occupancy (groups waiting) of Async and PACE against training
+    steps, with PACE's target n* (`pace.target_pool`, default B); and what PACE rejects to hold it
+    there, groups per step (``window``-step mean). Where Waiting Staleness comes from, in one picture."""
+    groups = {k: [r for r in v if "pool/occupancy" in r.steps] for k, v in by_label(runs).items() if k in labels}
+    groups = {k: v for k, v in groups.items() if v}
+    if not groups:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
+    for i, (label, rs) in enumerate(groups.items()):
+        c = color(label, i)
+        _band(a, [r.steps["pool/occupancy"] for r in rs], label, c)
+        if label.startswith("PACE"):
+            cfg = rs[0].config
+            target = (cfg.get("pace") or {}).get("target_pool") or (cfg.get("data") or {}).get("batch_prompts")
+            if target:
+                a.axhline(target, color=c, linestyle="--", linewidth=1, label=f"{label} target n* = {target}")
+            if "pool/rejected" in rs[0].steps:
+                _band(b, [smooth(r.steps["pool/rejected"], window) for r in rs], label, c)
+    a.set(xlabel="training step", ylabel="pooled groups (occupancy)", yscale="log", title="Pool occupancy")
+    a.legend(fontsize=8)
+    b.set(xlabel="training step", ylabel=f"groups rejected per step ({window}-step mean)", title="PACE's rejections")
+    if b.lines:
+        b.legend(fontsize=8)
+    fig.suptitle("The pool over time: the backlog Async lets grow, and PACE's control of it", y=1.03)
+    return fig
+
+
 # ---------------------------------------------------------------- Figure 8
 
 CRITICAL = [("time/wait_data", "waiting for data"), ("time/train", "training"), ("time/sync", "weight sync")]

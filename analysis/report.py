@@ -20,6 +20,10 @@ CAPTIONS = {
                        "of the groups it rejected, at the step their fate was decided."),
     "consumed_staleness": ("Staleness of the data each method trained on (Figure 7)",
                            "Waiting Staleness, Generation Staleness and their sum K of consumed groups."),
+    "pool_over_time": ("The pool over time",
+                       "Groups waiting in the pool at each training step (left, log scale; dashed: PACE's "
+                       "target occupancy n*), and the groups PACE rejects per step to hold the pool near it (right). "
+                       "Lines are means over seeds; shading spans the seeds."),
     "walltime": ("Where the time goes (Figure 8)",
                  "Seconds per training step. Solid: the step's critical path (waiting for a batch, training, "
                  "weight sync, the rest). Hatched, beside it: work that overlaps the step: generation on the "

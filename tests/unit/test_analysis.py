@@ -232,3 +232,18 @@ def test_figure_7_draws_one_method_alone_and_skips_a_run_without_groups():
         "Waiting Staleness $K_{wait}$", "Generation Staleness $K_{gen}$", "Staleness $K$"]
     assert figures.consumed_staleness([_run({"pool": {"name": "async"}}, {"reward/mean": [0.0]})]) is None
     assert figures.consumed_staleness([_run({"pool": {"name": "sync"}}, {"reward/mean": [0.0]}, groups)]) is None
+
+
+def test_the_pool_figure_draws_occupancy_with_pace_target_and_its_rejections():
+    from analysis import figures
+
+    steps = {"pool/occupancy": [30, 200, 900], "pool/rejected": [0, 0, 0]}
+    async_run = _run({"pool": {"name": "async"}, "data": {"batch_prompts": 32}}, steps)
+    pace = _run({"pool": {"name": "pace"}, "pace": {"score": "effective", "gamma": 1.0, "target_pool": None},
+                 "data": {"batch_prompts": 32}}, {"pool/occupancy": [30, 40, 33], "pool/rejected": [0, 8, 4]})
+    left, right = figures.pool_over_time([async_run, pace]).axes
+    assert [line.get_label() for line in left.lines] == ["Async", "PACE", "PACE target n* = 32"]
+    assert list(left.lines[2].get_ydata()) == [32, 32]
+    assert [line.get_label() for line in right.lines] == ["PACE"]  # Async rejects nothing: not drawn
+    assert figures.pool_over_time([_run({"pool": {"name": "sync"}}, {"pool/occupancy": [0, 0]})]) is None
+    assert figures.pool_over_time([_run({"pool": {"name": "async"}}, {"reward/mean": [0.0]})]) is None
