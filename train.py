@@ -287,6 +287,7 @@ def run(cfg: DictConfig) -> None:
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:
             validations = Validations(rollout, best, cfg.eval.val_k or cfg.eval.k, cfg.trainer.steps)
+            checkpointer.protect, checkpointer.on_saved = best.protected, best.saved  # the best's only copy stays
         state = ckpt.load_state(checkpoint) if checkpoint is not None else None
         logger = RunLogger(cfg, run_dir, config, group=default_group(cfg), resume=state and state["logger"])
         parts = ckpt.RunParts(pool, sampler, rollout, grader, logger, validations)

@@ -23,7 +23,8 @@ them (pace/rollout/resuming.py). With it off, or from a checkpoint written befor
 as `dropped_shutdown` and their prompts go back to the sampler. Either way a resumed run decides
 every submitted group exactly once.
 A checkpoint is written to `step-N.tmp` and renamed when complete (a kill while writing leaves
-the previous ones intact); the newest `trainer.keep_checkpoints` are kept.
+the previous ones intact); the newest `trainer.keep_checkpoints` are kept, and the checkpoint of the
+best validated version when it is the only copy of those weights (no `best/` copy: NCCL, IPC, gloo).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -182,6 +184,10 @@ class Checkpointer:
         self.config = config
         self.keep = keep
         self.last: Path | None = None
+        # rank 0: the version whose checkpoint pruning keeps beside the newest `keep` (the best
+        # validated θ, when its checkpoint is its only copy), and who hears of each checkpoint saved
+        self.protect: Callable[[], int | None] = lambda: None
+        self.on_saved: Callable[[int], None] = lambda version: None
 
     def save(self, reason: str, parts: RunParts | None, meta: dict | None = None) -> Path:
         """Write θ_version's checkpoint. ``parts`` on rank 0 (None elsewhere)."""
@@ -211,8 +217,11 @@ class Checkpointer:
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)
+            kept = self.protect()
             for old in list_checkpoints(self.run_dir)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                if kept is None or old != step_dir(self.run_dir, kept):
+                    shutil.rmtree(old, ignore_errors=True)
+            self.on_saved(version)
         self.barrier()
         self.last = path
         if main:

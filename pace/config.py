@@ -224,7 +224,8 @@ class TrainerConfig:
     dist_timeout_s: Optional[int] = None
     control_timeout_s: int = 14400
     # Checkpoint every N steps and after the last (0: only when stopped by SIGTERM/SIGINT or a
-    # failure); <run>/checkpoints/step-N, the newest `keep_checkpoints` kept. See pace/checkpoint.py.
+    # failure); <run>/checkpoints/step-N, the newest `keep_checkpoints` kept (and the best validated
+    # version's while it is the only copy of those weights). See pace/checkpoint.py.
     save_every: int = 0
     keep_checkpoints: int = 2
     # The engines compute with the trainer's weights (pace/mismatch.py): on-policy tokens' mean

@@ -57,7 +57,8 @@ class BestCheckpoint:
     """
 
     def __init__(self, run_dir: Path, model_path: str, within: int | None):
-        self.path = Path(run_dir) / "best"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "best"
         self.model_path = model_path
         self.within = within
         self.best: dict | None = None  # {"version", "val/avg", "path"}
@@ -71,16 +72,43 @@ class BestCheckpoint:
         if self.best is not None and avg <= self.best["val/avg"]:
             return False
         if result.weights is None and result.version != 0:
-            # the engines received θ by NCCL: no host copy to save (the checkpoints keep model/ dirs)
-            path = None
+            # the engines received θ by NCCL/IPC/gloo: no host copy to save. θ_v's checkpoint, if
+            # one was written (before θ_v was published, so before its validation), holds it
+            path = self._checkpointed(result.version)
         elif result.weights is None:
             path = self.model_path
         else:
             save_weights(self.path, result.weights, self.model_path)
             path = str(self.path)
         self.best = {"version": result.version, "val/avg": avg, "path": path}
-        (Path(self.path).parent / "best.json").write_text(json.dumps(self.best, indent=1))
+        self._write()
         return True
+
+    def _checkpointed(self, version: int) -> str | None:
+        from pace.checkpoint import step_dir
+
+        model = step_dir(self.run_dir, version) / "model"
+        return str(model) if model.is_dir() else None
+
+    def _write(self) -> None:
+        (self.run_dir / "best.json").write_text(json.dumps(self.best, indent=1))
+
+    def saved(self, version: int) -> None:
+        """A checkpoint of θ_version was written (`Checkpointer.on_saved`): name its model directory
+        if θ_version is the best and no copy of it exists (the final version's checkpoint comes
+        after its validation)."""
+        if self.best is not None and self.best["version"] == version and self.best["path"] is None:
+            self.best["path"] = self._checkpointed(version)
+            self._write()
+
+    def protected(self) -> int | None:
+        """The version whose checkpoint must outlive `trainer.keep_checkpoints` (`Checkpointer.protect`):
+        the best's, when its checkpoint is the only copy of its weights."""
+        from pace.checkpoint import step_dir
+
+        if self.best is not None and self.best["path"] == str(step_dir(self.run_dir, self.best["version"]) / "model"):
+            return self.best["version"]
+        return None
 
     def summary(self) -> dict:
         return {"best": self.best, "best_within": self.within, "validations": self.history}

@@ -85,6 +85,58 @@ def test_best_checkpoint_version_0_names_the_model_on_disk(tmp_path, model_dir):
     assert best.best["path"] == str(model_dir) and not (tmp_path / "best").exists()
 
 
+def test_without_a_host_copy_the_best_is_its_checkpoint_and_outlives_keep_checkpoints(tmp_path, model_dir, monkeypatch):
+    """NCCL/IPC/gloo: no `best/` copy; θ_v's checkpoint names it, and pruning keeps it while it is the best."""
+    from safetensors.torch import load_file
+
+    from pace import checkpoint
+
+    class _Trainer:
+        version = 0
+
+        def save(self, path):
+            path.mkdir(parents=True)
+
+        def state_dict(self):
+            return {}
+
+    monkeypatch.setattr(checkpoint, "capture", lambda parts: b"")
+    run, trainer = tmp_path / "run", _Trainer()
+    acc = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
+    ck = checkpoint.Checkpointer(run, acc, trainer, {}, keep=2, model_path=str(model_dir))
+    ck.weights = lambda v: _weights(float(v))
+    best = BestCheckpoint(run, str(model_dir), within=None)
+    ck.protect, ck.on_saved = best.protected, best.saved
+
+    def step(version, avg=None):  # θ_v checkpointed (every 10 here), then published and validated
+        trainer.version = version
+        if version % 10 == 0:
+            ck.save("every 10 steps", None)
+        if avg is not None:
+            best.offer(_validation(version, {}), avg)
+
+    def on_disk():
+        return [p.name for p in checkpoint.list_checkpoints(run)]
+
+    step(10, 0.5)
+    assert best.best["path"] == str(run / "checkpoints" / "step-000010" / "model")
+    assert torch.equal(load_file(f"{best.best['path']}/model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
+    step(15, 0.9)  # the best, never checkpointed: nothing to name
+    assert best.best == {"version": 15, "val/avg": 0.9, "path": None} and best.protected() is None
+    step(20), step(30)
+    assert on_disk() == ["step-000020", "step-000030"]  # 10 is no longer the best: pruned
+    step(40, 0.95)
+    step(50), step(60), step(70, 0.2)
+    assert on_disk() == ["step-000040", "step-000060", "step-000070"]  # the best's checkpoint stays
+    assert json.loads((run / "best.json").read_text())["path"].endswith("step-000040/model")
+    trainer.version = 80
+    best.offer(_validation(80, {}), 0.99)  # the final version: validated before its checkpoint exists
+    assert best.best["path"] is None
+    ck.save("end of training", None)
+    assert best.best["path"] == str(run / "checkpoints" / "step-000080" / "model") == best.summary()["best"]["path"]
+    assert on_disk() == ["step-000070", "step-000080"] and not (run / "best").exists()
+
+
 # ---------------------------------------------------------------- EvalRun with malformed outputs
 
 
