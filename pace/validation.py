@@ -84,10 +84,13 @@ class BestCheckpoint:
         self._write()
         return True
 
-    def _checkpointed(self, version: int) -> str | None:
+    def _model_dir(self, version: int) -> Path:
         from pace.checkpoint import step_dir
 
-        model = step_dir(self.run_dir, version) / "model"
+        return step_dir(self.run_dir, version) / "model"
+
+    def _checkpointed(self, version: int) -> str | None:
+        model = self._model_dir(version)
         return str(model) if model.is_dir() else None
 
     def _write(self) -> None:
@@ -104,9 +107,7 @@ class BestCheckpoint:
     def protected(self) -> int | None:
         """The version whose checkpoint must outlive `trainer.keep_checkpoints` (`Checkpointer.protect`):
         the best's, when its checkpoint is the only copy of its weights."""
-        from pace.checkpoint import step_dir
-
-        if self.best is not None and self.best["path"] == str(step_dir(self.run_dir, self.best["version"]) / "model"):
+        if self.best is not None and self.best["path"] == str(self._model_dir(self.best["version"])):
             return self.best["version"]
         return None
 

@@ -15,6 +15,7 @@ file the text names exists, and every link between the pages resolves.
 """
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -169,16 +170,20 @@ def anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
+def _prose(path: Path) -> str:
+    """A page without its code blocks (no links or headings there)."""
+    return re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+
+
+@functools.cache
 def anchors(path: Path) -> set[str]:
-    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)  # no headings inside code
-    return {anchor(h) for h in re.findall(r"^#{1,6} +(.+?) *#*$", text, re.M)}
+    return {anchor(h) for h in re.findall(r"^#{1,6} +(.+?) *#*$", _prose(path), re.M)}
 
 
 def test_every_relative_link_and_anchor_resolves():
     broken = []
     for page in DOCS:
-        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
-        for target in (a or b for a, b in LINK.findall(text)):
+        for target in (a or b for a, b in LINK.findall(_prose(page))):
             if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
                 continue
             rel, _, frag = target.partition("#")
