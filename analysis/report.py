@@ -234,7 +234,9 @@ def _claim_text(key: str, c: dict) -> str:
                 f"−{c['margin']:.2f}.")
     if key == "h_gamma":
         m, p, mg = c["means"], c["parts"], c["margins"]
-        parts = "; ".join(f"γ={g} − γ=1 {_iv(iv[f'gamma{g}_{q}'])}: {p[f'gamma{g}_{q}']}" for q in ("score", "reward") for g in (2, 4))
+        what = {"score": "validation", "reward": "training reward"}
+        parts = "; ".join(f"{what[q]}, γ={g} − γ=1 {_iv(iv[f'gamma{g}_{q}'])}: {p[f'gamma{g}_{q}']}"
+                          for q in ("score", "reward") for g in (2, 4))
         return (f"{c['score_metric'].capitalize()} by γ (1, 2, 4): {', '.join(_f(m['score'][g]) for g in (1, 2, 4))}; mean "
                 f"training reward: {', '.join(_f(m['reward'][g]) for g in (1, 2, 4))}. {parts}. Equivalent when every "
                 f"interval lies inside ±{mg['score']:.2f} (score) and ±{mg['reward']:.2f} (reward).")

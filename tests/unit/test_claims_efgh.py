@@ -150,6 +150,8 @@ def test_the_report_states_every_claim_and_the_seeds_an_open_one_needs(tmp_path)
     h = claims_["h_gamma"]
     # γ = 2 − γ = 1 per seed: 0, +0.0225, −0.015 (a spread as wide as the ±0.02 margin): open, and the seeds it needs said
     assert h["parts"]["gamma2_score"] == "inconclusive" and "gamma2 score: about" in text
+    for what in ("validation", "training reward"):  # each of the four intervals says which trajectory it compares
+        assert all(f"{what}, γ={g} − γ=1 " in text for g in (2, 4)), what
     assert h["parts"]["gamma4_score"] == "holds" and claims_["e_time_to_peak"]["verdict"] == "holds"
     assert "Left out (wall time not measured alone): sync_s2" in text
 
