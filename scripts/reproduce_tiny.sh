@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The small-scale study on a CPU, then every figure, table and the report into reports/tiny/.
 #
-#   bash scripts/reproduce_tiny.sh                  # the whole study: 12 methods × 5 seeds, 100 steps (~5.5 h on 2 cores)
+#   bash scripts/reproduce_tiny.sh                  # the whole study: 12 methods × 5 seeds, 100 steps (~4 h on 2 cores)
 #   STEPS=20 SEEDS="0" OUT=/tmp/s REPORT=/tmp/r bash scripts/reproduce_tiny.sh   # a quick dry run
 #   ONLY="sync async" bash scripts/reproduce_tiny.sh   # some methods only (the report is built from every finished run)
 #
