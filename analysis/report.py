@@ -238,7 +238,7 @@ def _claim_text(key: str, c: dict) -> str:
         parts = "; ".join(f"{what[q]}, γ={g} − γ=1 {_iv(iv[f'gamma{g}_{q}'])}: {p[f'gamma{g}_{q}']}"
                           for q in ("score", "reward") for g in (2, 4))
         return (f"{c['score_metric'].capitalize()} by γ (1, 2, 4): {', '.join(_f(m['score'][g]) for g in (1, 2, 4))}; mean "
-                f"training reward: {', '.join(_f(m['reward'][g]) for g in (1, 2, 4))}. {parts}. Equivalent when every "
+                f"training reward: {', '.join(_f(m['reward'][g]) for g in (1, 2, 4))}. Against γ = 1: {parts}. Equivalent when every "
                 f"interval lies inside ±{mg['score']:.2f} (score) and ±{mg['reward']:.2f} (reward).")
     return ""
 
