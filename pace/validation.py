@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from pace.checkpoint import step_dir
 from pace.evaluation import summarize
 
 # files of a model directory that are not weights: copied next to the saved weights
@@ -85,8 +86,6 @@ class BestCheckpoint:
         return True
 
     def _model_dir(self, version: int) -> Path:
-        from pace.checkpoint import step_dir
-
         return step_dir(self.run_dir, version) / "model"
 
     def _checkpointed(self, version: int) -> str | None:
