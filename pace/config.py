@@ -42,6 +42,10 @@ class DataConfig:
     source: str = "arithmetic"
     path: Optional[str] = None  # math: hub id (datasets.load_dataset) or a local .jsonl/.parquet file
     split: str = "train"
+    # math: one prompt per distinct problem, its first row's (a problem whose rows disagree on the
+    # answer is dropped); the counts are printed at load. false: every row, as the file has it
+    # (BytedTsinghua-SIA/DAPO-Math-17k repeats its ~17.9k rows 100 times: conf/data/dapo_math.yaml)
+    dedup: bool = True
     template: str = "dapo"  # math prompt template: dapo | retool (tool use) | plain (see pace.tasks.math)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
     # Qwen3's chat template switch (`enable_thinking`), passed to it when not null; null: the

@@ -28,7 +28,7 @@ def train_prompts(cfg, tokenizer) -> list[Prompt]:
         prompts = tool_arithmetic.make_prompts(OmegaConf.to_object(cfg.data.tool_arithmetic), cfg.data.split)
     else:
         try:
-            prompts = load_math_prompts(cfg.data.path, cfg.data.split, cfg.data.template)
+            prompts = load_math_prompts(cfg.data.path, cfg.data.split, cfg.data.template, dedup=cfg.data.dedup)
         except DataError as exc:
             raise DataError(f"data.path: {exc}") from exc
     if cfg.data.chat_template:

@@ -61,14 +61,15 @@ def row_problem_answer(row: dict) -> tuple[str | None, str | None]:
     return strip_dapo_template(prompt), str(answer).strip()
 
 
-def read_rows(path: str, split: str = "train") -> list[dict]:
-    """Rows of a local .jsonl / .json / .parquet file, or of a hub dataset (datasets.load_dataset)."""
+def read_source(path: str, split: str = "train"):
+    """A local .jsonl / .json file as a list of row dicts; a local .parquet file or a hub dataset
+    (datasets.load_dataset) as a pyarrow Table, so that repeated rows can be dropped on the columns."""
     p = Path(path)
     if p.exists():
         if p.suffix == ".parquet":
-            import pandas as pd
+            import pyarrow.parquet as pq
 
-            return pd.read_parquet(p).to_dict("records")
+            return pq.read_table(p)
         with open(p) as f:
             if p.suffix == ".json":
                 return json.load(f)
@@ -78,22 +79,109 @@ def read_rows(path: str, split: str = "train") -> list[dict]:
     try:
         import datasets
 
-        return list(datasets.load_dataset(path, split=split))
+        return datasets.load_dataset(path, split=split).with_format("arrow")[:]
     except Exception as exc:  # noqa: BLE001 - one line for the user, whatever the hub says
         raise DataError(f"cannot load dataset {path!r} (split {split!r}): {type(exc).__name__}: {exc}".splitlines()[0]) from exc
 
 
-def load_math_prompts(path: str, split: str = "train", template: str = "dapo", name: str = "math") -> list[Prompt]:
-    rows = read_rows(path, split)
-    prompts, skipped = [], 0
-    for i, row in enumerate(rows):
+def read_rows(path: str, split: str = "train") -> list[dict]:
+    """Rows of a local .jsonl / .json / .parquet file, or of a hub dataset, as dicts."""
+    source = read_source(path, split)
+    # to_pylist, not pandas' to_dict: pandas hands a list column back as numpy arrays, which the
+    # chat-list layout (`prompt` = [{content, role}]) would not be read from
+    return source if isinstance(source, list) else source.to_pylist()
+
+
+def _loader_columns(table) -> list:
+    """The values `row_problem_answer` reads from each row, as arrow arrays (a list column: its first
+    element's fields), and maybe more: rows equal on all of them give the same problem and answer."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    out = []
+    for name in ("prompt", "problem", "reward_model", "solution", "answer"):
+        if name not in table.column_names:
+            continue
+        col = table.column(name)
+        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            col = pc.list_element(col, 0)  # raises on an empty list: the caller reads such a file row by row
+        if pa.types.is_struct(col.type):
+            out += [pc.struct_field(col, [i]) for i in range(col.type.num_fields)]
+        else:
+            out.append(col)
+    return out
+
+
+def distinct_rows(table) -> tuple[list[int], list[int], list[dict]]:
+    """The first row of each distinct value of the loader's columns, in file order: their indices,
+    how many rows each stands for, and those rows as dicts. Vectorised (arrow hashing, numpy), so a
+    file of repeated rows is never turned into Python objects row by row."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    code = np.zeros(table.num_rows, dtype=np.int64)  # equal codes ⇔ equal on the columns so far
+    try:
+        for col in _loader_columns(table):
+            values = pc.unique(col)
+            idx = pc.index_in(col, value_set=values).fill_null(-1).to_numpy().astype(np.int64) + 1
+            code = code * (len(values) + 1) + idx  # < rows × (values + 1): no overflow
+            code = np.unique(code, return_inverse=True)[1].reshape(-1)  # dense again before the next column
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # a layout the vectorised path cannot read
+        return list(range(table.num_rows)), [1] * table.num_rows, table.to_pylist()
+    _, first, counts = np.unique(code, return_index=True, return_counts=True)
+    order = np.argsort(first)
+    first, counts = first[order], counts[order]
+    return first.tolist(), counts.tolist(), table.take(pa.array(first)).to_pylist()
+
+
+def load_math_prompts(path: str, split: str = "train", template: str = "dapo", name: str = "math",
+                      dedup: bool = True) -> list[Prompt]:
+    """The prompts of a math dataset, ids `{name}-{row}`, with the counts on stderr.
+
+    `dedup` (`data.dedup`): one prompt per distinct problem (after `strip_dapo_template`), its first
+    row's, in file order. A problem whose rows disagree on the answer is dropped: it has no single
+    answer to reward, and the first row's is no likelier right than the others'. Repeats are dropped
+    on the raw columns first (`distinct_rows`), so only distinct rows are read into Prompts.
+    """
+    source = read_source(path, split)
+    if dedup and not isinstance(source, list):
+        indices, counts, rows = distinct_rows(source)
+    else:
+        rows = source if isinstance(source, list) else source.to_pylist()
+        indices, counts = range(len(rows)), [1] * len(rows)
+    prompts: list[Prompt] = []
+    first: dict[str, tuple[int, str]] = {}  # problem → its first row and answer
+    rows_of: dict[str, int] = {}  # problem → rows read with it
+    disagree: set[str] = set()
+    skipped = 0
+    for i, n, row in zip(indices, counts, rows):
         problem, answer = row_problem_answer(row)
         if problem is None:
-            skipped += 1
-            continue
-        prompts.append(Prompt(id=f"{name}-{i:06d}", text=TEMPLATES[template](problem), answer=answer))
+            skipped += n
+        elif not dedup:
+            prompts.append(Prompt(id=f"{name}-{i:06d}", text=TEMPLATES[template](problem), answer=answer))
+        else:
+            if problem not in first:
+                first[problem] = (i, answer)
+            elif answer != first[problem][1]:
+                disagree.add(problem)
+            rows_of[problem] = rows_of.get(problem, 0) + n
+    n_rows = sum(counts)
     if skipped:
         print(f"warning: {path}: skipped {skipped} rows without a problem or answer", file=sys.stderr)
+    if dedup:
+        prompts = [Prompt(id=f"{name}-{i:06d}", text=TEMPLATES[template](problem), answer=answer)
+                   for problem, (i, answer) in first.items() if problem not in disagree]
+        conflict_rows = sum(rows_of[problem] for problem in disagree)
+        repeated = n_rows - skipped - conflict_rows - len(prompts)
+        note = (f"; {len(disagree)} problems ({conflict_rows:,} rows) dropped: their rows disagree on the answer, "
+                f"the first at row {min(first[problem][0] for problem in disagree)}" if disagree else "")
+        print(f"{path}: {n_rows:,} rows read, {len(prompts):,} problems kept "
+              f"(data.dedup: {repeated:,} repeated rows dropped{note})", file=sys.stderr)
+    else:
+        print(f"{path}: {n_rows:,} rows read, {len(prompts):,} prompts kept (data.dedup=false: repeats kept)",
+              file=sys.stderr)
     if not prompts:
         raise DataError(f"{path}: no usable rows (need a problem and an answer field)")
     return prompts
