@@ -92,47 +92,23 @@ def read_rows(path: str, split: str = "train") -> list[dict]:
     return source if isinstance(source, list) else source.to_pylist()
 
 
-def _loader_columns(table) -> list:
-    """The values `row_problem_answer` reads from each row, as arrow arrays (a list column: its first
-    element's fields), and maybe more: rows equal on all of them give the same problem and answer."""
+# The columns `row_problem_answer` reads: rows equal on them give the same problem and answer.
+LOADER_COLUMNS = ("prompt", "problem", "reward_model", "solution", "answer")
+
+
+def distinct_loader_rows(table) -> tuple[list[int], list[int], list[dict]]:
+    """The first row of each distinct value of `LOADER_COLUMNS`, in file order (`pace.tasks.dedup`):
+    their indices, how many rows each stands for, and those rows (these columns) as dicts."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
-    out = []
-    for name in ("prompt", "problem", "reward_model", "solution", "answer"):
-        if name not in table.column_names:
-            continue
-        col = table.column(name)
-        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-            col = pc.list_element(col, 0)  # raises on an empty list: the caller reads such a file row by row
-        if pa.types.is_struct(col.type):
-            out += [pc.struct_field(col, [i]) for i in range(col.type.num_fields)]
-        else:
-            out.append(col)
-    return out
+    from pace.tasks.dedup import distinct_rows
 
-
-def distinct_rows(table) -> tuple[list[int], list[int], list[dict]]:
-    """The first row of each distinct value of the loader's columns, in file order: their indices,
-    how many rows each stands for, and those rows as dicts. Vectorised (arrow hashing, numpy), so a
-    file of repeated rows is never turned into Python objects row by row."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    code = np.zeros(table.num_rows, dtype=np.int64)  # equal codes ⇔ equal on the columns so far
+    table = table.select([name for name in LOADER_COLUMNS if name in table.column_names])
     try:
-        for col in _loader_columns(table):
-            values = pc.unique(col)
-            idx = pc.index_in(col, value_set=values).fill_null(-1).to_numpy().astype(np.int64) + 1
-            code = code * (len(values) + 1) + idx  # < rows × (values + 1): no overflow
-            code = np.unique(code, return_inverse=True)[1].reshape(-1)  # dense again before the next column
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # a layout the vectorised path cannot read
+        first, counts = distinct_rows(table, LOADER_COLUMNS)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):  # a type it cannot encode
         return list(range(table.num_rows)), [1] * table.num_rows, table.to_pylist()
-    _, first, counts = np.unique(code, return_index=True, return_counts=True)
-    order = np.argsort(first)
-    first, counts = first[order], counts[order]
-    return first.tolist(), counts.tolist(), table.take(pa.array(first)).to_pylist()
+    return first, counts, table.take(pa.array(first, type=pa.int64())).to_pylist()
 
 
 def load_math_prompts(path: str, split: str = "train", template: str = "dapo", name: str = "math",
@@ -142,11 +118,11 @@ def load_math_prompts(path: str, split: str = "train", template: str = "dapo", n
     `dedup` (`data.dedup`): one prompt per distinct problem (after `strip_dapo_template`), its first
     row's, in file order. A problem whose rows disagree on the answer is dropped: it has no single
     answer to reward, and the first row's is no likelier right than the others'. Repeats are dropped
-    on the raw columns first (`distinct_rows`), so only distinct rows are read into Prompts.
+    on the raw columns first (`distinct_loader_rows`), so only distinct rows are read into Prompts.
     """
     source = read_source(path, split)
     if dedup and not isinstance(source, list):
-        indices, counts, rows = distinct_rows(source)
+        indices, counts, rows = distinct_loader_rows(source)
     else:
         rows = source if isinstance(source, list) else source.to_pylist()
         indices, counts = range(len(rows)), [1] * len(rows)

@@ -18,7 +18,7 @@ from pace.tasks.math import (
     DAPO_PREFIX,
     DAPO_SUFFIX,
     DataError,
-    distinct_rows,
+    distinct_loader_rows,
     load_math_prompts,
     row_problem_answer,
     strip_dapo_template,
@@ -241,15 +241,46 @@ def test_three_problems_repeated_100_times_give_three_prompts(tmp_path: Path, ca
         f"{path}: 300 rows read, 300 prompts kept (data.dedup=false: repeats kept)")
 
 
-def test_the_repeats_are_dropped_on_the_columns_before_rows_become_dicts(tmp_path: Path) -> None:
+def test_the_repeats_are_dropped_on_the_columns_before_rows_become_dicts() -> None:
     pa = pytest.importorskip("pyarrow")
-    table = pa.Table.from_pylist(official_rows(THREE * 100))
-    indices, counts, rows = distinct_rows(table)
+    block = pa.Table.from_pylist(official_rows(THREE))
+    table = pa.concat_tables([block] * 100)  # 100 chunks: codes must agree across them
+    assert table.column("prompt").num_chunks == 100
+    indices, counts, rows = distinct_loader_rows(table)
     assert (indices, counts) == ([0, 1, 2], [100, 100, 100])
     assert [r["reward_model"]["ground_truth"] for r in rows] == ["2", "5", "3"]
-    # an empty chat list cannot be read on the columns: the table is read row by row, nothing lost
-    table = pa.Table.from_pylist([{"prompt": [], "answer": "1"}, *[{"prompt": [{"content": "q"}], "answer": "1"}] * 2])
-    assert distinct_rows(table)[:2] == ([0, 1, 2], [1, 1, 1])
+    assert set(rows[0]) == {"prompt", "reward_model"}  # only the columns the loader reads become dicts
+
+
+def test_the_first_element_of_a_chat_list_decides_and_null_and_empty_lists_are_values_of_their_own() -> None:
+    from pace.tasks.dedup import distinct_rows
+
+    pa = pytest.importorskip("pyarrow")
+    msg = lambda content, role="user": {"content": content, "role": role}  # noqa: E731
+    prompts = [[msg("q")], [], None, [msg("q"), msg("later turn")], [msg("q", "system")], [], None, [msg(None)],
+               [msg("r")], [msg("q")]]
+    table = pa.concat_tables([pa.table({"prompt": pa.array(prompts[:5])}), pa.table({"prompt": pa.array(prompts[5:])})])
+    assert distinct_rows(table, ("prompt",)) == ([0, 1, 2, 4, 7, 8], [3, 2, 2, 1, 1, 1])
+
+
+def test_dictionary_columns_with_a_dictionary_per_chunk_are_unified() -> None:
+    # a categorical column written by pandas: each chunk has its own dictionary, index 0 means "1" in
+    # the first and "2" in the second
+    from pace.tasks.dedup import distinct_rows
+
+    pa = pytest.importorskip("pyarrow")
+    answer = pa.chunked_array([pa.DictionaryArray.from_arrays(pa.array([0, 0]), pa.array(["1"])),
+                               pa.DictionaryArray.from_arrays(pa.array([0, 1]), pa.array(["2", "1"]))])
+    table = pa.table({"problem": pa.chunked_array([["a", "a"], ["a", "a"]]), "answer": answer})
+    assert distinct_rows(table, ("problem", "answer")) == ([0, 2], [3, 1])
+
+
+def test_a_column_arrow_cannot_encode_is_read_row_by_row(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    answer = pa.array([[("x", 1)]] * 3, type=pa.map_(pa.string(), pa.int64()))  # a map: not dictionary-encodable
+    table = pa.table({"problem": ["a", "a", "b"], "answer": answer})
+    indices, counts, _ = distinct_loader_rows(table)
+    assert (indices, counts) == ([0, 1, 2], [1, 1, 1])  # every row, each once: stage 2 still dedups them
 
 
 def test_first_occurrence_order_and_ids(tmp_path: Path) -> None:
