@@ -33,6 +33,18 @@ def distinct_rows(table: pa.Table, columns: tuple[str, ...]) -> tuple[list[int],
     return first[order].tolist(), counts[order].tolist()
 
 
+def take_rows(table: pa.Table, indices: list[int]) -> pa.Table:
+    """`table.take(indices)` for ascending indices, batch by batch: arrow's take on a table of many
+    chunks (a datasets arrow file has one per 1,000 rows) first concatenates them all."""
+    batches = table.to_batches()
+    starts = np.cumsum([0] + [b.num_rows for b in batches])
+    idx = np.asarray(indices, dtype=np.int64)
+    bounds = np.searchsorted(idx, starts)  # idx[bounds[k]:bounds[k + 1]] lie in batch k
+    taken = [batch.take(pa.array(idx[lo:hi] - start)) for batch, start, lo, hi
+             in zip(batches, starts, bounds[:-1], bounds[1:]) if hi > lo]
+    return pa.Table.from_batches(taken, schema=table.schema)
+
+
 def _codes(col: pa.ChunkedArray) -> list[np.ndarray]:
     """Integer codes per row, one array per leaf value: equal values, equal codes."""
     if pa.types.is_struct(col.type):

@@ -101,14 +101,14 @@ def distinct_loader_rows(table) -> tuple[list[int], list[int], list[dict]]:
     their indices, how many rows each stands for, and those rows (these columns) as dicts."""
     import pyarrow as pa
 
-    from pace.tasks.dedup import distinct_rows
+    from pace.tasks.dedup import distinct_rows, take_rows
 
     table = table.select([name for name in LOADER_COLUMNS if name in table.column_names])
     try:
         first, counts = distinct_rows(table, LOADER_COLUMNS)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):  # a type it cannot encode
         return list(range(table.num_rows)), [1] * table.num_rows, table.to_pylist()
-    return first, counts, table.take(pa.array(first, type=pa.int64())).to_pylist()
+    return first, counts, take_rows(table, first).to_pylist()
 
 
 def load_math_prompts(path: str, split: str = "train", template: str = "dapo", name: str = "math",

@@ -275,6 +275,15 @@ def test_dictionary_columns_with_a_dictionary_per_chunk_are_unified() -> None:
     assert distinct_rows(table, ("problem", "answer")) == ([0, 2], [3, 1])
 
 
+def test_rows_are_taken_from_the_right_chunks() -> None:
+    from pace.tasks.dedup import take_rows
+
+    pa = pytest.importorskip("pyarrow")
+    table = pa.concat_tables([pa.table({"x": list(range(k, k + 4))}) for k in range(0, 40, 4)])  # 10 chunks of 4
+    for indices in ([0, 5, 6, 17, 39], [3, 4], [38], []):
+        assert take_rows(table, indices).column("x").to_pylist() == indices
+
+
 def test_a_column_arrow_cannot_encode_is_read_row_by_row(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     answer = pa.array([[("x", 1)]] * 3, type=pa.map_(pa.string(), pa.int64()))  # a map: not dictionary-encodable
