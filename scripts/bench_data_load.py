@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,7 @@ def main() -> None:
     import datasets
 
     datasets.disable_progress_bars()
+    load0 = os.getloadavg()[0]
     tokenizer = build_tokenizer()
     tokenizer.chat_template = CHATML
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,8 +133,11 @@ def main() -> None:
 
         t_after, after_n = stages(lambda: load_math_prompts(HUB_ID, "train", "dapo"), tokenizer)
 
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    print(f"\ncommit {head.strip()}, {os.cpu_count()} CPU cores, load average {load0:.1f} at the start, "
+          f"{os.getloadavg()[0]:.1f} at the end (above the core count, other work shares the cores)")
     scale = n_full / n_before
-    print(f"\n{'':34s} {'before (main)':>14s} {'× ' + format(scale, 'g'):>10s} {'after (dedup)':>14s}  ratio")
+    print(f"{'':34s} {'before (main)':>14s} {'× ' + format(scale, 'g'):>10s} {'after (dedup)':>14s}  ratio")
     print(f"{'rows read':34s} {n_before:>14,} {n_full:>10,} {n_full:>14,}")
     print(f"{'prompts (after dropping overlong)':34s} {before_n:>14,} {'':>10s} {after_n:>14,}")
     for step in t_before:
