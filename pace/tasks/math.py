@@ -4,7 +4,9 @@ Field mapping covers the layouts in circulation (see shared/benchmarks/README.md
     problem  ← `prompt` (str, or a chat list whose first message holds the problem) | `problem`
     answer   ← `reward_model.ground_truth` | `solution` | `answer`
 The official DAPO file stores the template-wrapped problem; `strip_dapo_template` recovers the bare
-problem so one template is applied everywhere.
+problem so one template is applied everywhere. The hub's DAPO-Math-17k repeats its rows 100 times:
+`load_math_prompts` keeps one prompt per problem (`data.dedup`), dropping the repeats on the arrow
+columns (`pace.tasks.dedup`) before any row becomes a Python object.
 """
 from __future__ import annotations
 
@@ -121,10 +123,12 @@ def load_math_prompts(path: str, split: str = "train", template: str = "dapo", n
     on the raw columns first (`distinct_loader_rows`), so only distinct rows are read into Prompts.
     """
     source = read_source(path, split)
-    if dedup and not isinstance(source, list):
+    if isinstance(source, list):
+        rows, indices, counts = source, range(len(source)), [1] * len(source)
+    elif dedup:
         indices, counts, rows = distinct_loader_rows(source)
     else:
-        rows = source if isinstance(source, list) else source.to_pylist()
+        rows = source.select([c for c in LOADER_COLUMNS if c in source.column_names]).to_pylist()
         indices, counts = range(len(rows)), [1] * len(rows)
     prompts: list[Prompt] = []
     first: dict[str, tuple[int, str]] = {}  # problem → its first row and answer
