@@ -1,7 +1,7 @@
 """The paper-scenario report: what the simulator predicts for the paper presets on their node, and
 which inputs reproduce the paper's Figure 8 (Async 26.19 s, PACE 28.22 s / raw 26.50 s, Sync 97.01 s).
 
-    python scripts/sim_paper.py                       # ~7 min on one core → reports/sim/paper.md + figures
+    python scripts/sim_paper.py                       # ~25 min on 2 shared cores → reports/sim/paper.md + figures
     python scripts/sim_paper.py --a-steps 60 --grid-steps 40 --runs /tmp/sp --out /tmp/sp_report   # quicker
 
 Part A, the presets as configured (`+exp=<method>_<preset> +sim=<scenario>`, each preset on its
