@@ -1,17 +1,20 @@
 """The paper-scenario report: what the simulator predicts for the paper presets on their node, and
 which inputs reproduce the paper's Figure 8 (Async 26.19 s, PACE 28.22 s / raw 26.50 s, Sync 97.01 s).
 
-    python scripts/sim_paper.py                       # ~7 min on one core → reports/sim/paper.md + figures
+    python scripts/sim_paper.py                       # ~25 min on 2 shared cores → reports/sim/paper.md + figures
     python scripts/sim_paper.py --a-steps 60 --grid-steps 40 --runs /tmp/sp --out /tmp/sp_report   # quicker
 
-Part A, the presets as configured (`+exp=<method>_<model> +sim=<model>`, nothing else overridden:
-the run's own validation cadence included): the paper's step (B = 32 prompts × 16, one optimizer
-update per version) for Qwen3-8B, 4B and 30B-A3B on the presets' node (4 rollout + 4 trainer
-H200s; the 30B-A3B: 2 rollout + 6 trainer), beside DAPO's 512-prompt step (`*_qwen3_8b_dapo512`, 16 updates per version) and two
-variants of the node (the 8B on H100s; the 4B on 6 rollout + 2 trainer GPUs). Sync, Async, PACE
-raw and PACE; each writes a run directory (runs/sim_paper/<row>/<method>) and `analysis.build`
-draws its figures (Figure 8: wall time per step by phase; Figures 6/7: retained vs rejected,
-consumed staleness). Hours for 300 steps are the simulated wall time of the 300-step run.
+Part A, the presets as configured (`+exp=<method>_<preset> +sim=<scenario>`, each preset on its
+own scenario, nothing else overridden: the run's own validation cadence included): the paper's step
+(B = 32 prompts × 16, one optimizer update per version) for the four paper settings — Qwen3-8B on 4
+rollout + 4 trainer H200s, the 8B on H100s (5 + 3), Qwen3-4B (5 + 3 H200s) and Qwen3-30B-A3B (8
+trainer H200s + 4 engines of TP 2 on a second node) — beside DAPO's 512-prompt step
+(`*_qwen3_8b_dapo512`, 16 updates per version). Sync, Async, PACE raw and PACE; each writes a run
+directory (runs/sim_paper/<row>/<method>) and `analysis.build` draws its figures (Figure 8: wall
+time per step by phase; Figures 6/7: retained vs rejected, consumed staleness). Hours for 300
+steps are the simulated wall time of the run, per 300 steps. The check table says, per paper
+setting, whether the comparison the paper makes exists there: Async's pool past n*, PACE
+rejecting in ≥ 25% of steps ≥ 5, PACE/Async ≤ 1.10, Sync/Async ≥ 1.5.
 
 Part B, Figure 8 backwards: the 8B scenario on 4 trainer GPUs with the batch B, a scale of the
 response lengths, the number of engines and the GPU varied (DAPO's 16 updates per version, the
@@ -19,9 +22,8 @@ grid's setting since it was made); per cell the four step times, compared with t
 ratios. The closest cell in which PACE rejects is run again with run directories and figures (its
 values are conf/sim/qwen3_8b_fig8.yaml).
 
-Every value the scenarios use is in conf/sim/<model>.yaml with its source (roofline estimates, not
-measurements); a layout scales the trainer's per-step, per-update and per-token seconds by the
-scenario's trainer GPUs (4; the 30B-A3B's 6) / its own.
+Every value the scenarios use is in conf/sim/<scenario>.yaml with its source (roofline estimates,
+not measurements), for the placement of the preset the scenario is named after.
 """
 from __future__ import annotations
 
@@ -54,27 +56,25 @@ from pace.sim.run import Simulation  # noqa: E402
 PAPER = {"sync": 97.01, "async": 26.19, "pace_raw": 26.50, "pace": 28.22}  # Figure 8, s/step
 METHODS = {"sync": ("sync", []), "async": ("async", []), "pace_raw": ("pace", ["pace.score=raw"]), "pace": ("pace", [])}
 NAMES = {"sync": "Sync", "async": "Async", "pace_raw": "PACE (raw)", "pace": "PACE"}
-# Part A's rows: (label, preset suffix, scenario, node, trainer GPUs, overrides). The presets' own
-# node first (4 rollout + 4 trainer H200s; the MoE: one engine of TP 2 + 6 trainer GPUs), then DAPO's
-# step on it, then two variants of the node. The scenario's trainer runs on SCENARIO_GPUS of them.
-ROWS = [("qwen3_8b", "qwen3_8b", "qwen3_8b", "4+4 H200", 4, []),
-        ("qwen3_4b", "qwen3_4b", "qwen3_4b", "4+4 H200", 4, []),
-        ("qwen3_30b_a3b", "qwen3_30b_a3b", "qwen3_30b_a3b", "(1×TP2)+6 H200", 6, []),
-        ("qwen3_8b_dapo512", "qwen3_8b_dapo512", "qwen3_8b", "4+4 H200", 4, []),
-        ("qwen3_8b_h100", "qwen3_8b", "qwen3_8b_h100", "4+4 H100", 4, []),
-        ("qwen3_4b_6-2", "qwen3_4b", "qwen3_4b", "6+2 H200", 2, ["rollout.engines=6"])]
-SCENARIO_GPUS = {"qwen3_30b_a3b": 6}  # trainer GPUs a scenario's trainer costs are for (others: 4)
+# Part A's rows: (label = preset suffix, scenario, node as rollout + trainer GPUs). The four paper
+# settings first (PAPER_SETTINGS: the check table), each preset on its own scenario, then DAPO's step.
+ROWS = [("qwen3_8b", "qwen3_8b", "4 + 4 H200"),
+        ("qwen3_8b_h100", "qwen3_8b_h100", "5 + 3 H100"),
+        ("qwen3_4b", "qwen3_4b", "5 + 3 H200"),
+        ("qwen3_30b_a3b", "qwen3_30b_a3b", "4 × TP2 (node 1) + 8 H200"),
+        ("qwen3_8b_dapo512", "qwen3_8b", "4 + 4 H200")]
+PAPER_SETTINGS = ("qwen3_8b", "qwen3_8b_h100", "qwen3_4b", "qwen3_30b_a3b")
+# What "the paper's comparison exists" means here (the check table): PACE rejects in at least this
+# share of steps ≥ WARMUP, costs at most this over Async, and Sync is at least this much slower.
+CHECK = {"rejecting_steps": 0.25, "pace_over_async": 1.10, "sync_over_async": 1.5}
 WARMUP = 5
 
 
-def config(preset: str, scenario: str, method: str, steps: int, trainer_gpus: int, *overrides: str):
+def config(preset: str, scenario: str, method: str, steps: int, *overrides: str):
     pool, extra = METHODS[method]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("simulate", overrides=[f"+exp={pool}_{preset}", f"+sim={scenario}", f"trainer.steps={steps}",
                                              "logger.mode=disabled", *extra, *overrides])
-    t = cfg.sim.trainer  # FSDP shards the optimizer and the tokens over the trainer GPUs
-    scale = SCENARIO_GPUS.get(scenario, 4) / trainer_gpus
-    t.step_s, t.per_update_s, t.per_token_s = (x * scale for x in (t.step_s, t.per_update_s, t.per_token_s))
     cfg.exp_name = f"{method}_{preset}"
     validate_sim(cfg)
     return cfg
@@ -104,6 +104,8 @@ def simulate(cfg, run_dir: Path | None = None) -> dict:
              "pool/rejected", "pool/filtered", "staleness/k_mean", "staleness/k_gen_mean", "staleness/k_wait_mean",
              "rollout/tokens_per_s", "train/response_len")}
     mean["rejecting_steps"] = float(np.mean([r.get("pool/rejected", 0) > 0 for r in rows[WARMUP:]]))
+    mean["pool_max"] = float(max(r.get("pool/occupancy", 0) for r in rows[WARMUP:]))
+    mean["n_star"] = cfg.pace.target_pool or cfg.data.batch_prompts
     mean["hours_per_300"] = total_s / len(rows) * 300 / 3600  # the run's simulated wall time, per 300 steps
     k = np.array(consumed)
     mean["dist"] = {name: [float(x) for x in np.percentile(k[:, i], [50, 90, 99])] + [float(k[:, i].max())]
@@ -115,10 +117,10 @@ def simulate(cfg, run_dir: Path | None = None) -> dict:
 def part_a(steps: int, runs: Path) -> list[dict]:
     out = []
     cases = [(*row, meth) for row in ROWS for meth in METHODS]
-    for label, preset, scenario, node, trainer_gpus, overrides, method in tqdm(cases, desc="A: presets", dynamic_ncols=True):
-        cfg = config(preset, scenario, method, steps, trainer_gpus, *overrides)
+    for label, scenario, node, method in tqdm(cases, desc="A: presets", dynamic_ncols=True):
+        cfg = config(label, scenario, method, steps)
         run_dir = runs / label / method
-        out.append({"row": label, "preset": preset, "scenario": scenario, "node": node, "method": method,
+        out.append({"row": label, "preset": label, "scenario": scenario, "node": node, "method": method,
                     "B": cfg.data.batch_prompts, "updates": cfg.trainer.mini_batches, "run_dir": str(run_dir),
                     **simulate(cfg, run_dir)})
     return out
@@ -153,7 +155,7 @@ def cell_overrides(c: dict) -> list[str]:
 def part_b(steps: int) -> list[dict]:
     out = []
     for c in tqdm(grid_cells(), desc="B: Figure 8 grid", dynamic_ncols=True):
-        res = {m: simulate(config("qwen3_8b", "qwen3_8b", m, steps, 4, "eval.every=0", *cell_overrides(c))) for m in METHODS}
+        res = {m: simulate(config("qwen3_8b", "qwen3_8b", m, steps, "eval.every=0", *cell_overrides(c))) for m in METHODS}
         pred = {m: res[m]["time/step"] for m in METHODS}
         dist = math.sqrt(np.mean([math.log(pred[m] / PAPER[m]) ** 2 for m in METHODS]))
         out.append({**c, "step": pred, "distance": dist, "train": res["async"]["time/train"],
@@ -182,73 +184,122 @@ def _pct(d: list[float]) -> str:
     return f"{d[0]:.1f} / {d[1]:.1f} / {d[3]:.0f}"  # p50 / p90 / max
 
 
+PAPER_HOURS = {m: PAPER[m] * 300 / 3600 for m in PAPER}  # Figure 8's s/step × 300 steps
+
+
+def check(by: dict, label: str) -> dict:
+    """The paper setting ``label`` against CHECK: the numbers and whether each holds."""
+    t = {m: by[label, m]["time/step"] for m in METHODS}
+    a, p = by[label, "async"], by[label, "pace"]
+    out = {"async": t["async"], "sync_over_async": t["sync"] / t["async"], "pace_over_async": t["pace"] / t["async"],
+           "rejecting_steps": p["rejecting_steps"], "rejected": p["pool/rejected"], "pool_max": a["pool_max"],
+           "n_star": a["n_star"], "hours": {m: by[label, m]["hours_per_300"] for m in ("async", "pace", "sync")}}
+    out["holds"] = (out["pool_max"] > out["n_star"] and out["rejecting_steps"] >= CHECK["rejecting_steps"]
+                    and out["pace_over_async"] <= CHECK["pace_over_async"]
+                    and out["sync_over_async"] >= CHECK["sync_over_async"])
+    return out
+
+
+def part_a_lines(a: list[dict], args) -> list[str]:
+    by = {(r["row"], r["method"]): r for r in a}
+    node = {label: n for label, _, n in ROWS}
+    ph = PAPER_HOURS
+    lines = ["## A. The presets as configured", "",
+             f"`python simulate.py +exp=<method>_<preset> +sim=<scenario> trainer.steps={args.a_steps}` for each row, "
+             "each preset on its own scenario, nothing else overridden (the presets' in-training validation included: "
+             "it holds weight loads for `sim.trainer.val_s`). The paper's step is B = 32 prompts × 16 responses and one "
+             "optimizer update per policy version; `dapo512` is DAPO's step, 512 prompts and 16 updates per version. "
+             "Hours: the simulated wall time of the run, per 300 steps. The paper row's hours are Figure 8's seconds per "
+             f"step × 300 (PACE {ph['pace']:.2f} h); the paper's 2 h 54 min is its PACE run's time to its peak "
+             "accuracy, not a 300-step time, and is not compared here.", "",
+             "### Does the paper's comparison exist in each setting?", "",
+             f"What the paper shows in all four settings, PACE ≠ Async, needs a pool past n* under Async, PACE "
+             f"rejecting in ≥ {CHECK['rejecting_steps']:.0%} of steps ≥ {WARMUP}, PACE/Async ≤ "
+             f"{CHECK['pace_over_async']:.2f} and Sync clearly slower (Sync/Async ≥ {CHECK['sync_over_async']}).", "",
+             _row("setting", "preset / scenario", "node (rollout + trainer)", "Async s/step", "Sync/Async", "PACE/Async",
+                  "PACE rejects (steps ≥ 5)", "rejected/step", "Async pool max / n*", "Async h/300", "PACE h/300",
+                  "Sync h/300", "holds"),
+             _row("---", "---", "---", *["---:"] * 9, "---"),
+             _row("paper (Figure 8; 2 h 54 min to PACE's peak)", "", "", PAPER["async"],
+                  f"{PAPER['sync'] / PAPER['async']:.2f}", f"{PAPER['pace'] / PAPER['async']:.3f}", "", "", "",
+                  f"{ph['async']:.2f}", f"{ph['pace']:.2f}", f"{ph['sync']:.2f}", "")]
+    for label in PAPER_SETTINGS:
+        if (label, "async") not in by:
+            continue
+        c = check(by, label)
+        h = c["hours"]
+        lines.append(_row(label, f"`*_{label}` / `{by[label, 'async']['scenario']}`", node[label], f"{c['async']:.1f}",
+                          f"{c['sync_over_async']:.2f}", f"{c['pace_over_async']:.3f}", f"{100 * c['rejecting_steps']:.0f}%",
+                          f"{c['rejected']:.2f}", f"{c['pool_max']:.0f} / {c['n_star']}", f"{h['async']:.2f}",
+                          f"{h['pace']:.2f}", f"{h['sync']:.2f}", "yes" if c["holds"] else "**no**"))
+    lines += ["", "### Step time per method, and the ratios", "",
+              _row("preset", "scenario", "node (rollout + trainer)", "B × updates", "Sync s/step", "Async", "PACE raw",
+                   "PACE", "Sync/Async", "PACE/Async", "PACE raw/Async", "Async h/300", "PACE h/300", "Sync h/300"),
+              _row("---", "---", "---", "---", *["---:"] * 10),
+              _row("paper (Figure 8; hours = s/step × 300)", "", "", "", PAPER["sync"], PAPER["async"], PAPER["pace_raw"],
+                   PAPER["pace"], f"{PAPER['sync'] / PAPER['async']:.2f}", f"{PAPER['pace'] / PAPER['async']:.3f}",
+                   f"{PAPER['pace_raw'] / PAPER['async']:.3f}", f"{ph['async']:.2f}", f"{ph['pace']:.2f}", f"{ph['sync']:.2f}")]
+    for label, scenario, nd in ROWS:
+        if (label, "async") not in by:
+            continue
+        t = {m: by[label, m]["time/step"] for m in METHODS}
+        h = {m: by[label, m]["hours_per_300"] for m in METHODS}
+        r = by[label, "async"]
+        lines.append(_row(label, scenario, nd, f"{r['B']} × {r['updates']}", *(f"{t[m]:.1f}" for m in METHODS),
+                          f"{t['sync'] / t['async']:.2f}", f"{t['pace'] / t['async']:.3f}",
+                          f"{t['pace_raw'] / t['async']:.3f}", f"{h['async']:.2f}", f"{h['pace']:.2f}", f"{h['sync']:.2f}"))
+    lines += ["", "### Phases, the pool and staleness", "",
+              _row("preset", "method", "s/step", "wait", "train", "sync", "pool", "rejected/step", "steps rejecting",
+                   "K p50/p90/max", "K_gen p50/p90/max", "K_wait p50/p90/max", "tokens/s", "mean response"),
+              _row("---", "---", *["---:"] * 7, "---", "---", "---", "---:", "---:")]
+    for r in a:
+        d = r["dist"]
+        lines.append(_row(r["row"], NAMES[r["method"]], f"{r['time/step']:.1f}", f"{r['time/wait_data']:.1f}",
+                          f"{r['time/train']:.1f}", f"{r['time/sync']:.1f}", f"{r['pool/occupancy']:.0f}",
+                          f"{r['pool/rejected']:.2f}", f"{100 * r['rejecting_steps']:.0f}%", _pct(d["k"]),
+                          _pct(d["k_gen"]), _pct(d["k_wait"]), f"{r['rollout/tokens_per_s']:,.0f}",
+                          f"{r['train/response_len']:,.0f}"))
+    figs = ", ".join(f"[{label}](paper_{label}/walltime.png)" for label, *_ in ROWS)
+    return lines + ["", f"Figures (`python -m analysis.build`, one directory per row): {figs}; each directory also "
+                    "has consumed_staleness.png (Figure 7) and pace_staleness.png (Figure 6).", ""]
+
+
+
 def write_report(a: list[dict], b: list[dict], best: list[dict], out: Path, args) -> None:
     lines = ["# Paper scenarios: predicted step times and staleness", "",
              f"`python scripts/sim_paper.py --a-steps {args.a_steps} --steps {args.steps} --grid-steps {args.grid_steps}` "
              "(written by the script; "
              "the reading of these numbers is in [README.md](README.md)). Means over steps ≥ 5; staleness of the consumed "
-             "groups (p50 / p90 / max). Every input is an estimate with its source in `conf/sim/<model>.yaml`; nothing "
+             "groups (p50 / p90 / max). Every input is an estimate with its source in `conf/sim/<scenario>.yaml`; nothing "
              "here was measured on a GPU.", ""]
     if a:
-        by = {(r["row"], r["method"]): r for r in a}
-        lines += ["## A. The presets as configured", "",
-                  f"`python simulate.py +exp=<method>_<preset> +sim=<scenario> trainer.steps={args.a_steps}` for each row, "
-                  "nothing else overridden (the presets' in-training validation included: it holds weight loads for "
-                  "`sim.trainer.val_s`). The paper's step is B = 32 prompts × 16 responses and one optimizer update per "
-                  "policy version; `dapo512` is DAPO's step, 512 prompts and 16 updates per version. Hours: the simulated "
-                  "wall time of the run, per 300 steps (the paper's PACE run peaked at 2 h 54 min of training-step time).", "",
-                  "### Step time per method, and the ratios", "",
-                  _row("preset", "scenario", "node (rollout+trainer)", "B × updates", "Sync s/step", "Async", "PACE raw",
-                       "PACE", "Sync/Async", "PACE/Async", "PACE raw/Async", "Async h/300", "PACE h/300", "Sync h/300"),
-                  _row("---", "---", "---", "---", *["---:"] * 10),
-                  _row("paper (Figure 8)", "", "", "", PAPER["sync"], PAPER["async"], PAPER["pace_raw"], PAPER["pace"],
-                       f"{PAPER['sync'] / PAPER['async']:.2f}", f"{PAPER['pace'] / PAPER['async']:.3f}",
-                       f"{PAPER['pace_raw'] / PAPER['async']:.3f}", "", "2.9 (peak)", "")]
-        for label, preset, scenario, node, _, _ in ROWS:
-            if (label, "async") not in by:
-                continue
-            t = {m: by[label, m]["time/step"] for m in METHODS}
-            h = {m: by[label, m]["hours_per_300"] for m in METHODS}
-            r = by[label, "async"]
-            lines.append(_row(label, scenario, node, f"{r['B']} × {r['updates']}", *(f"{t[m]:.1f}" for m in METHODS),
-                              f"{t['sync'] / t['async']:.2f}", f"{t['pace'] / t['async']:.3f}",
-                              f"{t['pace_raw'] / t['async']:.3f}", f"{h['async']:.1f}", f"{h['pace']:.1f}", f"{h['sync']:.1f}"))
-        lines += ["", "### Phases, the pool and staleness", "",
-                  _row("preset", "method", "s/step", "wait", "train", "sync", "pool", "rejected/step", "steps rejecting",
-                       "K p50/p90/max", "K_gen p50/p90/max", "K_wait p50/p90/max", "tokens/s", "mean response"),
-                  _row("---", "---", *["---:"] * 7, "---", "---", "---", "---:", "---:")]
-        for r in a:
-            d = r["dist"]
-            lines.append(_row(r["row"], NAMES[r["method"]], f"{r['time/step']:.1f}", f"{r['time/wait_data']:.1f}",
-                              f"{r['time/train']:.1f}", f"{r['time/sync']:.1f}", f"{r['pool/occupancy']:.0f}",
-                              f"{r['pool/rejected']:.2f}", f"{100 * r['rejecting_steps']:.0f}%", _pct(d["k"]),
-                              _pct(d["k_gen"]), _pct(d["k_wait"]), f"{r['rollout/tokens_per_s']:,.0f}",
-                              f"{r['train/response_len']:,.0f}"))
-        figs = ", ".join(f"[{label}](paper_{label}/walltime.png)" for label, *_ in ROWS)
-        lines += ["", f"Figures (`python -m analysis.build`, one directory per row): {figs}; each directory also "
-                  "has consumed_staleness.png (Figure 7) and pace_staleness.png (Figure 6).", ""]
+        lines += part_a_lines(a, args)
     if b:
         p = PAPER
         lines += ["## B. Figure 8 backwards: the 8B scenario (trainer on 4 GPUs), with B, the response lengths and the "
                   "rollout GPUs varied", "",
                   "Distance: the root mean square of log(predicted / paper) over the four step times (0 = all four equal to "
                   "the paper's; 0.1 ≈ 10% off on average). `length scale` multiplies the scenario's lengths (mean consumed "
-                  "response length in the next column); `max_num_seqs` is set from the KV budget for that length.", "",
-                  _row("distance", "B", "length scale", "mean len", "rollout GPUs", "GPU", "Sync", "Async", "PACE raw", "PACE",
-                       "Sync/Async", "PACE/Async", "PACE raw/Async", "train", "PACE rejected/step", "rescoring s/step"),
-                  _row(*["---:"] * 5, "---", *["---:"] * 10),
-                  _row("paper", "", "", "", "", "", p["sync"], p["async"], p["pace_raw"], p["pace"],
+                  "response length in the next column); `max_num_seqs` is set from the KV budget for that length. Every "
+                  "cell takes min(16, B) optimizer updates per policy version (`trainer.mini_batches`, DAPO's 16 "
+                  "mini-batches; the paper's step, and part A's presets, take one): 16 for B ≥ 16, 8 for B = 8; 2B "
+                  "groups in flight; no in-training validation.", "",
+                  _row("distance", "B", "updates/version", "length scale", "mean len", "rollout GPUs", "GPU", "Sync", "Async",
+                       "PACE raw", "PACE", "Sync/Async", "PACE/Async", "PACE raw/Async", "train", "PACE rejected/step",
+                       "rescoring s/step"),
+                  _row(*["---:"] * 6, "---", *["---:"] * 10),
+                  _row("paper", "", "1", "", "", "", "", p["sync"], p["async"], p["pace_raw"], p["pace"],
                        f"{p['sync'] / p['async']:.2f}", f"{p['pace'] / p['async']:.3f}", f"{p['pace_raw'] / p['async']:.3f}",
                        "", "", "")]
         for r in b:
             t = r["step"]
-            lines.append(_row(f"{r['distance']:.2f}", r["B"], r["length_scale"], f"{r['response_len']:,.0f}", r["engines"],
+            lines.append(_row(f"{r['distance']:.2f}", r["B"], min(16, r["B"]), r["length_scale"], f"{r['response_len']:,.0f}", r["engines"],
                               r["gpu"], *(f"{t[m]:.1f}" for m in METHODS), f"{t['sync'] / t['async']:.2f}",
                               f"{t['pace'] / t['async']:.3f}", f"{t['pace_raw'] / t['async']:.3f}", f"{r['train']:.1f}",
                               f"{r['pace_rejected']:.1f}", f"{r['rescore']:.2f}"))
     if best:
         c = _closest_rejecting(b)
-        lines += ["", f"The closest cell in which PACE rejects (B = {c['B']}, length scale {c['length_scale']}, {c['engines']} "
+        lines += ["", f"The closest cell in which PACE rejects (B = {c['B']}, {min(16, c['B'])} updates per version, length scale {c['length_scale']}, {c['engines']} "
                   f"{c['gpu']} rollout GPUs, distance {c['distance']:.2f}; `conf/sim/qwen3_8b_fig8.yaml`), run again for "
                   f"{args.steps} steps with run directories: [walltime.png](paper_fig8/walltime.png) "
                   "(Figure 8), [consumed_staleness.png](paper_fig8/consumed_staleness.png), "
@@ -285,11 +336,13 @@ def main() -> None:
     if b:
         c = _closest_rejecting(b)
         for m in METHODS:
-            cfg = config("qwen3_8b", "qwen3_8b", m, args.steps, 4, "eval.every=0", *cell_overrides(c))
+            cfg = config("qwen3_8b", "qwen3_8b", m, args.steps, "eval.every=0", *cell_overrides(c))
             best.append({"method": m, "run_dir": str(args.runs / "fig8" / m), **simulate(cfg, args.runs / "fig8" / m)})
         build_figures([r["run_dir"] for r in best], args.out / "paper_fig8")
     write_report(a, b, best, args.out, args)
-    (args.out / "paper.json").write_text(json.dumps({"A": a, "B": b, "closest": best}, indent=1))
+    by = {(r["row"], r["method"]): r for r in a}
+    checks = {label: check(by, label) for label in PAPER_SETTINGS if (label, "async") in by}
+    (args.out / "paper.json").write_text(json.dumps({"A": a, "check": checks, "B": b, "closest": best}, indent=1))
     print(f"{args.out / 'paper.md'} in {time.perf_counter() - t:.0f} s")
 
 

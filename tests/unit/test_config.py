@@ -7,6 +7,7 @@ must compose on a CPU-only machine.
 """
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -269,3 +270,40 @@ def test_resume_finds_the_newest_checkpoint_and_names_a_bad_path(tmp_path: Path)
         resolve(str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="no checkpoint here"):
         resolve(str(tmp_path))
+
+
+# ------------------------------------------------ the documented launch commands fit the presets
+
+LAUNCH = re.compile(r"accelerate launch --config_file (\S+)(?: --num_processes (\d+))? train\.py \+exp=(\S+)((?: [\w.]+=\S+)*)")
+
+
+def _launches() -> list[tuple[str, str, int, str, list[str]]]:
+    root = CONF.parent
+    out = []
+    for doc in ("README.md", "docs/gpu.md", "docs/tools.md"):
+        for m in LAUNCH.finditer((root / doc).read_text()):
+            yaml, n, preset, extra = m.groups()
+            n = int(n) if n else OmegaConf.load(root / yaml).num_processes
+            out.append((doc, yaml, n, preset, extra.split()))
+    return out
+
+
+def test_documented_launches_fill_one_node_of_8_gpus() -> None:
+    """Every `accelerate launch ... train.py +exp=<paper preset>` in the README and docs: the trainer
+    processes plus the preset's engines × tensor parallel size make one node of 8 GPUs, so the
+    command runs the placement the preset (and its simulator scenario) describes."""
+    launches = [x for x in _launches() if "qwen3" in x[3]]
+    assert {"pace_qwen3_8b", "pace_qwen3_8b_h100", "pace_qwen3_4b", "pace_qwen3_4b_retool"} <= {x[3] for x in launches}
+    for doc, yaml, n, preset, extra in launches:
+        cfg = compose_cfg([f"+exp={preset}", *extra])
+        if cfg.rollout.engine_process == "server":
+            continue  # engines on other nodes: the multi-node test below
+        assert n + cfg.rollout.engines * cfg.rollout.tensor_parallel_size == 8, (doc, preset, n)
+
+
+def test_the_30b_a3b_presets_train_on_a_node_of_8_with_engines_on_another() -> None:
+    cfg = compose_cfg(["+exp=pace_qwen3_30b_a3b"])
+    assert cfg.rollout.engine_process == "server" and cfg.rollout.engines * cfg.rollout.tensor_parallel_size == 8
+    assert OmegaConf.load(CONF / "accelerate" / "fsdp_8gpu.yaml").num_processes == 8
+    docs = (CONF.parent / "README.md").read_text() + (CONF.parent / "docs" / "gpu.md").read_text()
+    assert "TP=2 ACCELERATE_CONFIG=conf/accelerate/fsdp_8gpu.yaml" in docs
