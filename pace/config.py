@@ -153,6 +153,11 @@ class PoolConfig:
     # trainer takes some (back-pressure; nothing is discarded; `rollout/capacity_wait_s`), so host
     # memory stays bounded when production outruns training. null: no cap.
     capacity: Optional[int] = 1024
+    # Observe only: give every consumed/removed group PACE's PFS, u and S_eff (pace.gamma,
+    # pace.score_window, pace.prefix_tokens) without changing any decision; the rescoring it needs
+    # is logged in time/rescore (docs/pool-policies.md "Effective Staleness for the record").
+    # Nothing to do for pool.name=pace with pace.score=effective, which scores them anyway.
+    record_effective: bool = False
 
 
 @dataclass

@@ -1,0 +1,76 @@
+"""Effective Staleness for the record (`pool.record_effective`): any policy's groups get PACE's
+Prefix Forgetting Score, u and S_eff logged per group, while the policy decides as it always does.
+
+PACE scores the groups it might reject; the other policies (sync, async, stale_k, gate, and M2PO's
+async pool) never look at the PFS, so their groups carry none and Figure 7 has no Effective
+Staleness to draw for them. `RecordingPolicy` wraps such a policy:
+
+    admits, select, the Selection's batch and removals   the wrapped policy's, untouched
+    pfs_candidates   the first 2B pooled groups in completion order (what a FIFO draw takes
+                     next, with a batch of slack), so the rollout rescores them exactly as it does
+                     PACE's candidates: after each weight sync and as groups arrive (`time/rescore`)
+    record_pfs       new scores go to the wrapper's own window (`pace.score_window`)
+    after select     every group the wrapped policy decided gets u (its PFS percentile in that
+                     window, 1 when not rescored yet) and S_eff = K_wait + u^γ K_gen (`pace.gamma`);
+                     `pool/pfs_coverage` is the share of decided groups with K_gen > 0 that had a PFS
+
+The decision cannot depend on the record: `select` runs before any score is written, and the
+window the PFS feeds is the wrapper's, never the wrapped policy's.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pace.pool import scoring
+from pace.pool.base import PoolPolicy, Selection
+from pace.pool.columns import PoolColumns
+from pace.pool.scoring import ScoreWindow
+
+
+class RecordingPolicy:
+    """``policy``'s decisions, with PACE's effective score computed and recorded per decided group."""
+
+    def __init__(self, policy: PoolPolicy, gamma: float, score_window: int, head: int | None = None):
+        self.policy = policy
+        self.batch_prompts = policy.batch_prompts
+        self.name = getattr(policy, "name", type(policy).__name__)
+        self.gamma = gamma
+        self.head = 2 * policy.batch_prompts if head is None else head
+        self.window = ScoreWindow(score_window)
+
+    def admits(self, view) -> bool:
+        return self.policy.admits(view)
+
+    def pfs_candidates(self, pooled: PoolColumns, step: int) -> np.ndarray:
+        return pooled.slots()[: self.head]
+
+    def record_pfs(self, values: list[float]) -> None:
+        self.window.extend(values)
+
+    def select(self, pooled: PoolColumns, step: int) -> Selection | None:
+        selection = self.policy.select(pooled, step)
+        if selection is None:
+            return None
+        groups = selection.batch + [g for g, _, _ in selection.removed]
+        if groups:
+            self._record(groups, step, selection.metrics)
+        return selection
+
+    def _record(self, groups: list, step: int, metrics: dict) -> None:
+        pfs = np.array([np.nan if g.pfs is None else g.pfs for g in groups], dtype=np.float64)
+        k_gen = np.array([g.k_gen() for g in groups], dtype=np.float64)
+        k_wait = np.array([g.k_wait(step) for g in groups], dtype=np.float64)
+        u = self.window.ranks(pfs)
+        s_eff = scoring.score("effective", k_wait, k_gen, u, self.gamma)
+        for g, ui, si in zip(groups, u, s_eff):
+            g.scores.update(u=float(ui), s_eff=float(si))
+        ranked = k_gen > 0
+        if ranked.any():
+            metrics["pfs_coverage"] = float(np.mean(~np.isnan(pfs[ranked])))
+
+    def state_dict(self) -> dict:
+        return {"policy": self.policy.state_dict(), "record_window": self.window.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.window.load_state_dict(state["record_window"])
