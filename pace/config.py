@@ -266,6 +266,9 @@ class EvalConfig:
     val_max_problems: Optional[int] = None  # in-training validation: first N problems of each set (null: all)
     val_k: Optional[int] = None  # in-training validation: samples per problem (null: k)
     best_within: Optional[int] = None  # best checkpoint among validations of versions <= N (null: all)
+    # The validation sets the paper's figures name (analysis/trajectories.py): Figure 5 draws each,
+    # Figures 3 and 9 the first. Names as logged (`val/<set>/mean@k`); empty: the last two logged.
+    figure_sets: list = field(default_factory=list)
 
 
 @dataclass
