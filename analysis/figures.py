@@ -114,7 +114,7 @@ def stalek_curves(runs: list[Run], early: float = 0.5, window: int = 10):
     name = figure_sets(runs)[0] if any(not r.val.empty for r in runs) else None
     fig, (ax, val) = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, (label, rs) in enumerate(groups.items()):
-        c = color(label, i) if label == "Sync" else plt.get_cmap("viridis")(i / max(len(groups), 2))
+        c = "black" if label == "Sync" else plt.get_cmap("viridis")(i / max(len(groups), 2))  # the reference in black
         curves, vals = [], []
         for r in rs:
             n = max(1, int(len(r.steps) * early))
@@ -205,11 +205,11 @@ def consumed_staleness(runs: list[Run], labels=("Async", "PACE")):
         ax.set(title=title, xlabel="steps")
         missing = [k for k, v in present.items() if not len(v)]
         if missing:
-            ax.text(0.98, 0.95, "\n".join(f"{k}: not recorded" + (" (pool.record_effective)" if col == "s_eff" else "")
-                                                for k in missing), ha="right", va="top",
+            ax.text(0.5, -0.22, "\n".join(f"{k}: not recorded" + (" (pool.record_effective)" if col == "s_eff" else "")
+                                            for k in missing), ha="center", va="top", color="#c44e52",
                     fontsize=8, transform=ax.transAxes)
         if ax.patches:
-            ax.legend(fontsize=8, loc="upper left")
+            ax.legend(fontsize=8)
     axes[0].set_ylabel("density")
     fig.suptitle("Staleness of consumed groups", y=1.03)
     return fig

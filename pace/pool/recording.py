@@ -7,8 +7,10 @@ Staleness to draw for them. `RecordingPolicy` wraps such a policy:
 
     admits, select, the Selection's batch and removals   the wrapped policy's, untouched
     pfs_candidates   the first 2B pooled groups in completion order (what a FIFO draw takes
-                     next, with a batch of slack), so the rollout rescores them exactly as it does
-                     PACE's candidates: after each weight sync and as groups arrive (`time/rescore`)
+                     next, with a batch of slack) that have no PFS yet: the rollout scores them as it
+                     does PACE's candidates, after each weight sync and as groups arrive
+                     (`time/rescore`), but once each, under the weights loaded when they reached
+                     the head (a score cancelled by a sync is asked again under the new weights)
     record_pfs       new scores go to the wrapper's own window (`pace.score_window`)
     after select     every group the wrapped policy decided gets u (its PFS percentile in that
                      window, 1 when not rescored yet) and S_eff = K_wait + u^γ K_gen (`pace.gamma`);
@@ -42,7 +44,11 @@ class RecordingPolicy:
         return self.policy.admits(view)
 
     def pfs_candidates(self, pooled: PoolColumns, step: int) -> np.ndarray:
-        return pooled.slots()[: self.head]
+        """The head's groups not scored yet: each group is scored once, under the weights loaded
+        when it reached the head (PACE rescores its candidates after every update; for the record
+        one score is enough, at a fraction of the engine time)."""
+        slots = pooled.slots()[: self.head]
+        return slots[np.isnan(pooled.pfs[slots])]
 
     def record_pfs(self, values: list[float]) -> None:
         self.window.extend(values)

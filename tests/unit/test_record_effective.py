@@ -83,6 +83,23 @@ def test_recorded_effective_staleness_is_paces_formula():
     assert any(g.scores["u"] < 1.0 for g in scored)
 
 
+def test_the_record_scores_each_group_once_at_the_head():
+    """Each group is asked for once (under the weights loaded when it reached the first 2B), not
+    again after every update as PACE's candidates are: the record costs one prefix per response."""
+    pool = Pool(build_policy(cfg("async", True)), informative=lambda g: True)
+    groups = [make_group(i, 0, 1) for i in range(3 * B)]
+    for g in groups:
+        pool.on_submitted(g)
+        pool.add(g, 1)
+    asked = pool.to_rescore(1)
+    assert [g.id for g in asked] == list(range(2 * B))  # the head, in completion order
+    for g in asked:
+        pool.set_pfs(g, 0.5, 1)
+    assert pool.to_rescore(2) == []  # a new version: nothing asked again
+    pool.form_batch(1, timeout=0)  # B consumed: the head moves on
+    assert [g.id for g in pool.to_rescore(2)] == list(range(2 * B, 3 * B))
+
+
 def test_without_the_key_nothing_is_recorded_and_pace_effective_is_not_wrapped():
     policy = build_policy(cfg("async", False))
     assert type(policy) is AsyncPolicy and not reads_pfs(policy)
