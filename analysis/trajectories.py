@@ -50,16 +50,16 @@ def val_curve(run: Run, name: str, first: int | None = None) -> pd.Series | None
     return s if first is None else s[s.index <= first]
 
 
-def _val_panel(ax, groups: dict[str, list[Run]], name: str, first: int | None = None) -> None:
+def _val_panel(ax, groups: dict[str, list[Run]], name: str, first: int | None = None, legend: bool = True) -> None:
     """One benchmark's validation against steps, one curve per method; says so when not logged."""
     for i, (label, rs) in enumerate(groups.items()):
         curves = [c for c in (val_curve(r, name, first) for r in rs) if c is not None and not c.empty]
         if curves:
             _band(ax, curves, label, color(label, i))
     ax.set(title="Average" if name == "avg" else display(name), xlabel="training step")
-    if ax.lines:
+    if ax.lines and legend:
         ax.legend(fontsize=7)
-    else:
+    elif not ax.lines:
         ax.text(0.5, 0.5, f"{name}: not in the validation logs", ha="center", va="center", transform=ax.transAxes)
 
 
@@ -100,12 +100,13 @@ def all_trajectories(runs: list[Run]):
     rows = -(-len(names) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names):
-        _val_panel(ax, groups, name)
+        _val_panel(ax, groups, name, legend=False)
     for ax in list(axes.flat)[len(names):]:
         ax.remove()
     axes[0][0].set_ylabel(f"validation mean@{_k(runs)}")
     fig.suptitle("Complete validation trajectories", y=1.01)
     fig.tight_layout()
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=8)
     return fig
 
 

@@ -180,9 +180,9 @@ POLICIES: dict[str, type[PoolPolicy]] = {
 
 def build_policy(cfg) -> PoolPolicy:
     policy = _build_policy(cfg)
-    if getattr(cfg.pool, "record_effective", False) and not (  # absent in configs saved before it
-            cfg.pool.name == "pace" and cfg.pace.score == "effective"):
-        return RecordingPolicy(policy, gamma=cfg.pace.gamma, score_window=cfg.pace.score_window)
+    share = getattr(cfg.pool, "record_effective", 0.0)  # absent in configs saved before it
+    if share > 0 and not (cfg.pool.name == "pace" and cfg.pace.score == "effective"):
+        return RecordingPolicy(policy, gamma=cfg.pace.gamma, score_window=cfg.pace.score_window, share=share)
     return policy
 
 

@@ -16,6 +16,12 @@ Staleness to draw for them. `RecordingPolicy` wraps such a policy:
                      window, 1 when not rescored yet) and S_eff = K_wait + u^γ K_gen (`pace.gamma`);
                      `pool/pfs_coverage` is the share of decided groups with K_gen > 0 that had a PFS
 
+`pool.record_effective` is the share of groups recorded: 1 all of them, 0.125 a fixed
+pseudo-random eighth (by group id; the others get no score and cost nothing), 0 off. Rescoring
+takes engine time from generation (a prefill of prompt + m tokens per response), so fewer groups
+arrive per second and the run's backlog differs from a run without the record: a sample keeps the
+record's histogram at a fraction of that cost.
+
 The decision cannot depend on the record: `select` runs before any score is written, and the
 window the PFS feeds is the wrapper's, never the wrapped policy's.
 """
@@ -32,8 +38,12 @@ from pace.pool.scoring import ScoreWindow
 class RecordingPolicy:
     """``policy``'s decisions, with PACE's effective score computed and recorded per decided group."""
 
-    def __init__(self, policy: PoolPolicy, gamma: float, score_window: int, head: int | None = None):
+    def __init__(self, policy: PoolPolicy, gamma: float, score_window: int, share: float = 1.0,
+                 head: int | None = None):
+        if not 0 < share <= 1:
+            raise ValueError(f"pool.record_effective must be in [0, 1] (0: off), got {share}")
         self.policy = policy
+        self.share = share
         self.batch_prompts = policy.batch_prompts
         self.name = getattr(policy, "name", type(policy).__name__)
         self.gamma = gamma
@@ -48,7 +58,15 @@ class RecordingPolicy:
         when it reached the head (PACE rescores its candidates after every update; for the record
         one score is enough, at a fraction of the engine time)."""
         slots = pooled.slots()[: self.head]
-        return slots[np.isnan(pooled.pfs[slots])]
+        slots = slots[np.isnan(pooled.pfs[slots])]
+        if self.share < 1:
+            slots = slots[[self.sampled(g) for g in pooled.groups(slots)]]
+        return slots
+
+    def sampled(self, group) -> bool:
+        """Whether ``group`` is in the recorded sample: a fixed pseudo-random share of group ids
+        (Knuth's multiplicative hash), the same in every run."""
+        return (group.id * 2654435761) % 2**32 < self.share * 2**32
 
     def record_pfs(self, values: list[float]) -> None:
         self.window.extend(values)
@@ -57,7 +75,7 @@ class RecordingPolicy:
         selection = self.policy.select(pooled, step)
         if selection is None:
             return None
-        groups = selection.batch + [g for g, _, _ in selection.removed]
+        groups = [g for g in selection.batch + [g for g, _, _ in selection.removed] if self.sampled(g)]
         if groups:
             self._record(groups, step, selection.metrics)
         return selection

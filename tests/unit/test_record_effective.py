@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 B = 4
 
 
-def cfg(name: str, record: bool, **pace) -> OmegaConf:
+def cfg(name: str, record: float, **pace) -> OmegaConf:
     return OmegaConf.create({
         "pool": {"name": name, "max_lag": 2.0, "max_head_offpolicyness": 1, "record_effective": record},
         "pace": {"score": "effective", "gamma": 2.0, "target_pool": None, "ema": 0.5, "score_window": 8,
@@ -58,8 +58,8 @@ def drive(policy, steps: int = 30, seed: int = 0) -> tuple[dict, list]:
 @pytest.mark.parametrize("name, pace", [("async", {}), ("stale_k", {}), ("gate", {}), ("sync", {}),
                                         ("pace", {"score": "raw"})])
 def test_recording_changes_no_decision(name, pace):
-    plain, _ = drive(build_policy(cfg(name, False, **pace)))
-    policy = build_policy(cfg(name, True, **pace))
+    plain, _ = drive(build_policy(cfg(name, 0.0, **pace)))
+    policy = build_policy(cfg(name, 1.0, **pace))
     assert isinstance(policy, RecordingPolicy) and reads_pfs(policy)  # the rollout rescores for it
     recorded, groups = drive(policy)
     assert recorded == plain and len(plain) > 20
@@ -69,7 +69,7 @@ def test_recording_changes_no_decision(name, pace):
 
 
 def test_recorded_effective_staleness_is_paces_formula():
-    _, groups = drive(build_policy(cfg("async", True)))
+    _, groups = drive(build_policy(cfg("async", 1.0)))
     window = [g.pfs for g in sorted(groups, key=lambda g: g.id) if g.pfs is not None]
     scored = [g for g in groups if g.pfs is not None and g.k_gen() > 0]
     assert scored
@@ -86,7 +86,7 @@ def test_recorded_effective_staleness_is_paces_formula():
 def test_the_record_scores_each_group_once_at_the_head():
     """Each group is asked for once (under the weights loaded when it reached the first 2B), not
     again after every update as PACE's candidates are: the record costs one prefix per response."""
-    pool = Pool(build_policy(cfg("async", True)), informative=lambda g: True)
+    pool = Pool(build_policy(cfg("async", 1.0)), informative=lambda g: True)
     groups = [make_group(i, 0, 1) for i in range(3 * B)]
     for g in groups:
         pool.on_submitted(g)
@@ -100,17 +100,48 @@ def test_the_record_scores_each_group_once_at_the_head():
     assert [g.id for g in pool.to_rescore(2)] == list(range(2 * B, 3 * B))
 
 
+def test_a_share_records_a_fixed_sample_and_rescores_only_it():
+    plain, _ = drive(build_policy(cfg("async", 0.0)))
+    policy = build_policy(cfg("async", 0.25))
+    recorded, groups = drive(policy)
+    assert recorded == plain
+    sampled = [g for g in groups if "s_eff" in g.scores]
+    assert 0.15 < len(sampled) / len(groups) < 0.35 and all(policy.sampled(g) for g in sampled)
+    assert all(g.pfs is None for g in groups if not policy.sampled(g))  # the others cost nothing
+    assert any(g.pfs is not None for g in sampled)
+    assert [g.id for g in sampled] == [g.id for g in groups if policy.sampled(g)]
+
+
 def test_without_the_key_nothing_is_recorded_and_pace_effective_is_not_wrapped():
-    policy = build_policy(cfg("async", False))
+    policy = build_policy(cfg("async", 0.0))
     assert type(policy) is AsyncPolicy and not reads_pfs(policy)
     _, groups = drive(policy)
     assert all("s_eff" not in g.scores and g.pfs is None for g in groups)
-    assert type(build_policy(cfg("pace", True))) is PacePolicy  # scores them itself
+    assert type(build_policy(cfg("pace", 1.0))) is PacePolicy  # scores them itself
 
 
 def test_the_record_window_is_checkpointed():
-    policy = build_policy(cfg("async", True))
+    policy = build_policy(cfg("async", 1.0))
     policy.record_pfs([0.3, 0.1, 0.2])
-    again = build_policy(cfg("async", True))
+    again = build_policy(cfg("async", 1.0))
     again.load_state_dict(policy.state_dict())
     assert again.window.rank(0.2) == policy.window.rank(0.2) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("share, ok", [(0.0, True), (0.125, True), (1.0, True), (1.5, False), (-0.1, False)])
+def test_the_key_is_a_share_validated_in_one_line(share, ok):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from pace.config import ConfigError, register, validate
+
+    register()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        c = compose(config_name="config", overrides=[f"pool.record_effective={share}"])
+    if ok:
+        validate(c)
+    else:
+        with pytest.raises(ConfigError, match=r"^pool.record_effective must be in \[0, 1\]"):
+            validate(c)
