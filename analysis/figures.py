@@ -167,14 +167,15 @@ def decision_window(g: pd.DataFrame, window: int | None, start: int | None) -> t
 def pace_retained_vs_rejected(runs: list[Run], label: str = "PACE", window: int | None = 50, start: int | None = None):
     """Waiting, Generation and Effective Staleness of the groups PACE kept vs rejected over a window
     of ``window`` training updates (Figure 6; `decision_window`)."""
-    gs = [decision_window(r.groups, window, start)[0] for r in runs if r.label == label and not r.groups.empty]
-    if not gs:
+    # the steps of PACE's decisions (a group still pooled at the end is logged at the final step)
+    decided = [r.groups[r.groups.fate.isin(["consumed", "rejected"])] for r in runs if r.label == label and not r.groups.empty]
+    if not decided:
         return None
-    g = pd.concat(gs, ignore_index=True)
+    g = pd.concat([decision_window(d, window, start)[0] for d in decided], ignore_index=True)
     kept, rejected = g[g.fate == "consumed"], g[g.fate == "rejected"]
     if rejected.empty:
         return None
-    span = decision_window(next(r.groups for r in runs if r.label == label and not r.groups.empty), window, start)[1]
+    span = decision_window(decided[0], window, start)[1]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     for ax, (col, title) in zip(axes, [*STALENESS, EFFECTIVE]):
         _hist(ax, {"retained": kept[col].dropna().to_numpy(), "rejected": rejected[col].dropna().to_numpy()},

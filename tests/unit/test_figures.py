@@ -136,6 +136,8 @@ def test_walltime_bars_name_every_method_of_the_main_model():
 
 def test_figure_5_draws_the_first_300_steps_and_figure_6_a_window_of_50_updates():
     runs = [run("PACE", steps=400), run("Async", steps=400)]
+    left = pd.DataFrame([{"fate": "pooled", "step": 400, "k_gen": 0.0, "k_wait": 0.0, "k": 0.0}])
+    runs[0].groups = pd.concat([runs[0].groups, left], ignore_index=True)  # still pooled at the end: no decision
     fig = build.draw("benchmarks", runs)
     assert max(max(line.get_xdata()) for line in fig.axes[0].lines) == 300
     assert max(max(line.get_xdata()) for line in build.draw("benchmarks", runs, first=None).axes[0].lines) == 400
