@@ -6,8 +6,9 @@ variants and the γ runs, validation and training reward).
 Which benchmarks: the run's `eval.figure_sets` (conf/eval/*.yaml: math6 names aime_2024 and
 beyond_aime, the tiny arithmetic eval its two hardest levels); Figure 5 draws each, Figures 3 and 9
 the first. A run saved before the key existed falls back to the last two of its logged sets, by
-name. Which model: the main figures draw the model with the most runs (`main_model`); Figure 9 takes the runs whose `model.path` contains "30B", Appendix C.1 those
-with "4B"; when no run matches and all runs share one model (the tiny lab), that model's runs.
+name. Which model: the main figures draw the model with the most runs (`main_model`); Figure 9
+the runs whose `model.path` contains "30B", Appendix C.1 those with "4B"; when no run matches and
+all runs share one model (the tiny lab), that model's runs.
 """
 from __future__ import annotations
 

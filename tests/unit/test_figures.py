@@ -3,6 +3,7 @@ axes titles and legend labels against a list written from the paper's captions."
 from __future__ import annotations
 
 import re
+import zlib
 
 import numpy as np
 import pandas as pd
@@ -83,9 +84,10 @@ def groups_of(label: str, steps: int, effective: bool, rng) -> pd.DataFrame:
 
 
 def run(label: str, model: str | None = MODEL_8B, steps: int = 80, record: bool = False, sets=SETS) -> Run:
-    rng = np.random.default_rng(abs(hash((label, model))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{label} {model}".encode()))  # the same values in every process
     rows = [{"step": i, "time/step": 1.0 + rng.random(), "time/train": 0.5, "time/wait_data": 0.2, "time/sync": 0.1,
-             "time/generate": 0.9, "time/rescore": 0.05, "staleness/k_wait_mean": 1.0, "train/reward_mean": rng.random(), "rollout/acc_mean": rng.random(),
+             "time/generate": 0.9, "time/rescore": 0.05, "staleness/k_wait_mean": 1.0,
+             "train/reward_mean": rng.random(), "rollout/acc_mean": rng.random(),
              "pool/occupancy": 4 + i, "pool/rejected": 2 if label.startswith("PACE") else 0} for i in range(steps)]
     rows += [{"val/version": v, "val/avg": rng.random(), **{f"val/{s}/mean@32": rng.random() for s in sets}}
              for v in range(0, steps + 1, 10)]
