@@ -6,10 +6,10 @@
     python -m analysis.build wandb:me/pace/abc123 wandb:me/pace/def456 --out reports/two
     python -m analysis.build reports/tiny/runs --out /tmp/r --report --previous reports/tiny/runs/previous_numbers.json
 
-Writes into --out: validation.{png,pdf} (Figures 1/5), stalek.{png,pdf} (Figure 3),
-pace_staleness.{png,pdf} (Figure 6), consumed_staleness.{png,pdf} (Figure 7),
-pool_over_time.{png,pdf} (occupancy and PACE's rejections per step), walltime.{png,pdf}
-(Figure 8), mean_at_k.{md,tex} (Table 1 at each run's best validation within --within updates),
+Writes into --out, as PNG and PDF: validation (Figure 1), stalek (Figure 3), benchmarks (Figure 5),
+pace_staleness (Figure 6, --window updates), consumed_staleness (Figure 7), pool_over_time
+(occupancy and PACE's rejections per step), walltime (Figure 8), large_model (Figure 9),
+appendix_b and appendix_c1 (`FIGURES`); mean_at_k.{md,tex} (Table 1 at each run's best validation within --within updates),
 numbers.json (every number the figures, table and claims use) and, with --report, report.md (with
 --previous, an earlier numbers.json, also how each verdict moved). A run folder's runs.tsv
 (scripts/reproduce_tiny.sh) names runs not measured alone, which claim (e) leaves
@@ -24,18 +24,34 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis import figures  # noqa: E402
+from analysis import figures, trajectories  # noqa: E402
 from analysis.claims import evaluate_claims, interval, learning_score  # noqa: E402
 from analysis.runs import SOURCES, Run, load, load_group  # noqa: E402
 
+# file name → (the paper's figure, function); tests/unit/test_figures.py checks each one's panels
 FIGURES = {
-    "validation": figures.validation_curves,
-    "stalek": figures.stalek_curves,
-    "pace_staleness": figures.pace_retained_vs_rejected,
-    "consumed_staleness": figures.consumed_staleness,
-    "pool_over_time": figures.pool_over_time,
-    "walltime": figures.walltime_breakdown,
+    "validation": ("Figure 1", figures.validation_curves),
+    "stalek": ("Figure 3", figures.stalek_curves),
+    "benchmarks": ("Figure 5", trajectories.benchmark_curves),
+    "pace_staleness": ("Figure 6", figures.pace_retained_vs_rejected),
+    "consumed_staleness": ("Figure 7", figures.consumed_staleness),
+    "pool_over_time": ("the pool over time", figures.pool_over_time),
+    "walltime": ("Figure 8", figures.walltime_breakdown),
+    "large_model": ("Figure 9", trajectories.large_model),
+    "appendix_b": ("Appendix B", trajectories.all_trajectories),
+    "appendix_c1": ("Appendix C.1", trajectories.small_model),
 }
+
+PICK_THEIR_MODEL = ("large_model", "appendix_c1")  # the others draw the runs of `trajectories.main_model`
+
+
+def draw(name: str, runs: list[Run], window: int | None = 50, window_start: int | None = None, first: int | None = 300):
+    """One figure of `FIGURES` with the build's options (Figure 6's window, Figure 5's first steps)."""
+    fn = FIGURES[name][1]
+    if name not in PICK_THEIR_MODEL:
+        runs = trajectories.main_model(runs)
+    options = {"pace_staleness": {"window": window, "start": window_start}, "benchmarks": {"first": first}}
+    return fn(runs, **options.get(name, {}))
 
 
 def incomparable_runs(specs: list[str]) -> frozenset[str]:
@@ -68,13 +84,14 @@ def previous_verdicts(path: Path) -> dict:
 
 
 def build(runs: list[Run], out: Path, within: int | None = None, report: bool = False, title: str = "",
-          incomparable: frozenset[str] = frozenset(), previous: Path | None = None) -> dict:
+          incomparable: frozenset[str] = frozenset(), previous: Path | None = None, window: int | None = 50,
+          window_start: int | None = None, first: int | None = 300) -> dict:
     from pace.evaluation import latex_table, markdown_table
 
     out.mkdir(parents=True, exist_ok=True)
     made, skipped = [], []
-    for name, fn in FIGURES.items():
-        fig = fn(runs)
+    for name in FIGURES:
+        fig = draw(name, runs, window, window_start, first)
         if fig is None:
             skipped.append(name)
         else:
@@ -153,6 +170,9 @@ def main() -> None:
     ap.add_argument("--entity")
     ap.add_argument("--group", help="every run of this wandb group")
     ap.add_argument("--within", type=int, help="Table 1: best validation among versions <= N (default: all)")
+    ap.add_argument("--window", type=int, default=50, help="Figure 6: training updates drawn (0: all; default 50)")
+    ap.add_argument("--window-start", type=int, help="Figure 6: first step of the window (default: the last --window steps)")
+    ap.add_argument("--first", type=int, default=300, help="Figure 5: validations of the first N steps (0: all; default 300)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--report", action="store_true", help="also write report.md")
     ap.add_argument("--title", default="")
@@ -179,7 +199,8 @@ def main() -> None:
         sys.exit("error: no runs found")
     if args.previous is not None and not args.previous.is_file():
         sys.exit(f"error: --previous {args.previous}: no such file")
-    numbers = build(runs, args.out, args.within, args.report, args.title, incomparable_runs(args.specs), args.previous)
+    numbers = build(runs, args.out, args.within, args.report, args.title, incomparable_runs(args.specs), args.previous,
+                    args.window or None, args.window_start, args.first or None)
     print(f"{len(runs)} runs ({', '.join(sorted({r.label for r in runs}))}) → {args.out}")
     print(f"figures: {', '.join(numbers['figures']) or 'none'}"
           + (f"; skipped (no runs for them): {', '.join(numbers['skipped'])}" if numbers["skipped"] else ""))

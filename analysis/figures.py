@@ -62,11 +62,12 @@ def _band(ax, curves: list[pd.Series], label: str, c, x_scale: float = 1.0) -> N
         ax.fill_between(x, table.min(axis=1), table.max(axis=1), color=c, alpha=0.2, linewidth=0)
 
 
-# ---------------------------------------------------------------- Figures 1 and 5
+# ---------------------------------------------------------------- Figure 1
 
 
 def validation_curves(runs: list[Run], labels=MAIN):
-    """Validation average (mean@k over the validation sets) against training steps and wall time."""
+    """Validation average (mean@k over the validation sets) against training steps and wall time,
+    Sync / Async / PACE (Figure 1; Figure 5 and Appendix B are in analysis/trajectories.py)."""
     groups = {k: v for k, v in by_label(runs).items() if k in labels and any(not r.val.empty for r in v)}
     if not groups:
         return None
@@ -78,8 +79,9 @@ def validation_curves(runs: list[Run], labels=MAIN):
         walls = pd.concat([r.val.set_index("version")["wall"] for r in rs], axis=1).mean(axis=1)
         accs = pd.concat([r.val.set_index("version")["val/avg"] for r in rs], axis=1)
         b.plot(walls / 60, accs.mean(axis=1), color=color(label, i), label=label, marker=".")
-    a.set(xlabel="training step (weights validated)", ylabel=f"validation mean@{_k(runs)} (avg)")
-    b.set(xlabel="wall time (min)")
+    a.set(xlabel="training step (weights validated)", ylabel=f"validation mean@{_k(runs)} (avg)",
+          title="Against training steps")
+    b.set(xlabel="wall time (min)", title="Against wall time")
     a.legend(fontsize=8)
     fig.suptitle("Validation accuracy against steps and wall time", y=1.02)
     return fig
@@ -101,21 +103,37 @@ def smooth(s: pd.Series, window: int) -> pd.Series:
 
 
 def stalek_curves(runs: list[Run], early: float = 0.5, window: int = 10):
-    """Early training of the Stale-k sweep: accuracy of every completed group (filtered or not)
-    against steps, over the first ``early`` fraction of the run; Async as the unbounded reference."""
-    groups = {k: v for k, v in by_label(runs).items() if k.startswith("Stale-") or k == "Async"}
+    """Early training of the Stale-k sweep with Sync as the on-policy reference (Figure 3): accuracy
+    of every completed group (filtered or not) against steps, and validation on the first named
+    benchmark (`eval.figure_sets`: AIME 2024), over the first ``early`` fraction of the run."""
+    from analysis.trajectories import display, figure_sets, val_curve
+
+    groups = {k: v for k, v in by_label(runs).items() if k.startswith("Stale-") or k == "Sync"}
     if not any(k.startswith("Stale-") for k in groups):
         return None
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    name = figure_sets(runs)[0] if any(not r.val.empty for r in runs) else None
+    fig, (ax, val) = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, (label, rs) in enumerate(groups.items()):
-        curves = []
+        c = "black" if label == "Sync" else plt.get_cmap("viridis")(i / max(len(groups), 2))  # the reference in black
+        curves, vals = [], []
         for r in rs:
             n = max(1, int(len(r.steps) * early))
             curves.append(smooth(r.steps["rollout/acc_mean"], window).iloc[:n])
-        _band(ax, curves, label, color(label, i) if label == "Async" else plt.get_cmap("viridis")(i / max(len(groups), 2)))
-    ax.set(xlabel="training step", ylabel=f"rollout accuracy ({window}-step mean)",
-           title="Stale-k: early training")
+            v = val_curve(r, name, first=n) if name else None
+            if v is not None and not v.empty:
+                vals.append(v)
+        _band(ax, curves, label, c)
+        if vals:
+            _band(val, vals, label, c)
+    ax.set(xlabel="training step", ylabel=f"rollout accuracy ({window}-step mean)", title="Rollout accuracy")
     ax.legend(fontsize=8)
+    val.set(xlabel="training step", ylabel=f"validation mean@{_k(runs)}",
+            title=f"{display(name)} validation" if name else "validation")
+    if val.lines:
+        val.legend(fontsize=8)
+    else:
+        val.text(0.5, 0.5, "no validations logged", ha="center", va="center", transform=val.transAxes)
+    fig.suptitle(f"Stale-k: early training (first {early:.0%} of steps), Sync as the on-policy reference", y=1.03)
     return fig
 
 
@@ -133,30 +151,46 @@ def _hist(ax, series: dict[str, np.ndarray], colors: dict[str, str]) -> None:
             ax.hist(v, bins=bins, density=True, alpha=0.55, color=colors[name], label=f"{name} (n={len(v)})")
 
 
-def pace_retained_vs_rejected(runs: list[Run], label: str = "PACE"):
-    """Waiting, Generation and Effective Staleness of the groups PACE kept vs rejected (Figure 6)."""
-    gs = [r.groups for r in runs if r.label == label and not r.groups.empty]
-    if not gs:
+EFFECTIVE = ("s_eff", "Effective Staleness $S_{eff}$")
+
+
+def decision_window(g: pd.DataFrame, window: int | None, start: int | None) -> tuple[pd.DataFrame, str]:
+    """Groups decided at steps [start, start + window) (``start`` None: the last ``window`` steps
+    with a decision; ``window`` None: every step), and the range in words."""
+    if window is None or g.empty:
+        return g, "all steps"
+    first = int(g.step.max()) - window + 1 if start is None else start
+    first = max(first, int(g.step.min()))
+    return g[(g.step >= first) & (g.step < first + window)], f"steps {first}–{first + window - 1}"
+
+
+def pace_retained_vs_rejected(runs: list[Run], label: str = "PACE", window: int | None = 50, start: int | None = None):
+    """Waiting, Generation and Effective Staleness of the groups PACE kept vs rejected over a window
+    of ``window`` training updates (Figure 6; `decision_window`)."""
+    # the steps of PACE's decisions (a group still pooled at the end is logged at the final step)
+    decided = [r.groups[r.groups.fate.isin(["consumed", "rejected"])] for r in runs if r.label == label and not r.groups.empty]
+    if not decided:
         return None
-    g = pd.concat(gs, ignore_index=True)
+    g = pd.concat([decision_window(d, window, start)[0] for d in decided], ignore_index=True)
     kept, rejected = g[g.fate == "consumed"], g[g.fate == "rejected"]
     if rejected.empty:
         return None
-    cols = [*STALENESS, ("s_eff", "Effective Staleness $S_{eff}$")]
+    span = decision_window(decided[0], window, start)[1]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, (col, title) in zip(axes, cols):
+    for ax, (col, title) in zip(axes, [*STALENESS, EFFECTIVE]):
         _hist(ax, {"retained": kept[col].dropna().to_numpy(), "rejected": rejected[col].dropna().to_numpy()},
               {"retained": COLORS["PACE"], "rejected": "#c44e52"})
         ax.set(title=title, xlabel="steps")
     axes[0].set_ylabel("density")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{label}: retained (consumed) vs rejected groups", y=1.03)
+    fig.suptitle(f"{label}: retained (consumed) vs rejected groups, {span}", y=1.03)
     return fig
 
 
 def consumed_staleness(runs: list[Run], labels=("Async", "PACE")):
-    """Staleness of the groups each method trained on (Figure 7): both methods side by side, or the
-    one present (a single run is drawn too: its own decomposition)."""
+    """Waiting, Generation and Effective Staleness of the groups each method trained on (Figure 7),
+    PACE and Async side by side, or the one present. Async's groups have an Effective Staleness
+    only when its run recorded one (`pool.record_effective`); the panel says which method lacks it."""
     data = {}
     for label, rs in by_label(runs).items():
         frames = [r.groups for r in rs if not r.groups.empty]
@@ -165,13 +199,19 @@ def consumed_staleness(runs: list[Run], labels=("Async", "PACE")):
             data[label] = g[g.fate == "consumed"]
     if not data:
         return None
-    cols = [*STALENESS, ("k", "Staleness $K$")]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, (col, title) in zip(axes, cols):
-        _hist(ax, {k: v[col].dropna().to_numpy() for k, v in data.items()}, {k: color(k) for k in data})
+    for ax, (col, title) in zip(axes, [*STALENESS, EFFECTIVE]):
+        present = {k: v[col].dropna().to_numpy() if col in v else np.array([]) for k, v in data.items()}
+        _hist(ax, {k: v for k, v in present.items() if len(v)}, {k: color(k) for k in data})
         ax.set(title=title, xlabel="steps")
+        missing = [k for k, v in present.items() if not len(v)]
+        if missing:
+            ax.text(0.5, -0.22, "\n".join(f"{k}: not recorded" + (" (pool.record_effective)" if col == "s_eff" else "")
+                                            for k in missing), ha="center", va="top", color="#c44e52",
+                    fontsize=8, transform=ax.transAxes)
+        if ax.patches:
+            ax.legend(fontsize=8)
     axes[0].set_ylabel("density")
-    axes[0].legend(fontsize=8)
     fig.suptitle("Staleness of consumed groups", y=1.03)
     return fig
 

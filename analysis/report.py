@@ -7,19 +7,26 @@ from pathlib import Path
 import numpy as np
 
 CAPTIONS = {
-    "validation": ("Validation accuracy (Figures 1 and 5)",
+    "validation": ("Validation accuracy (Figure 1)",
                    "Average mean@k over the validation sets against the training step whose weights were "
                    "validated (left) and against the training wall time at which those weights existed "
-                   "(right). Lines are means over seeds; shading spans the seeds."),
+                   "(right), Sync, Async and PACE. Lines are means over seeds; shading spans the seeds."),
     "stalek": ("Stale-k sweep, early training (Figure 3)",
                "Accuracy of every completed rollout group (before dynamic-sampling filtering), 10-step running "
-               "mean, over the first half of training. Stale-k discards a group at consumption when its "
-               "staleness exceeds k; Async has no bound."),
+               "mean (left), and validation on the first of `eval.figure_sets` (right), over the first half of "
+               "training. Stale-k discards a group at consumption when its staleness exceeds k; Sync is the "
+               "on-policy reference."),
+    "benchmarks": ("Validation on the named benchmarks (Figure 5)",
+                   "Validation mean@k of every method on each of `eval.figure_sets` (the paper: AIME 2024 and "
+                   "BeyondAIME) over the first 300 training steps (a shorter run: all of it)."),
     "pace_staleness": ("What PACE keeps and what it rejects (Figure 6)",
                        "Waiting, Generation and Effective Staleness of the groups PACE trained on (retained) and "
-                       "of the groups it rejected, at the step their fate was decided."),
+                       "of the groups it rejected, at the step their fate was decided, over a window of "
+                       "training updates (the figure's title names the steps)."),
     "consumed_staleness": ("Staleness of the data each method trained on (Figure 7)",
-                           "Waiting Staleness, Generation Staleness and their sum K of consumed groups."),
+                           "Waiting, Generation and Effective Staleness of consumed groups, PACE and Async. Async's "
+                           "Effective Staleness exists only in runs with `pool.record_effective=true`; the panel "
+                           "says when it was not recorded."),
     "pool_over_time": ("The pool over time",
                        "Groups waiting in the pool at each training step (left, log scale; dashed: PACE's "
                        "target occupancy n*), and the groups PACE rejects per step to hold the pool near it (right). "
@@ -28,6 +35,14 @@ CAPTIONS = {
                  "Seconds per training step. Solid: the step's critical path (waiting for a batch, training, "
                  "weight sync, the rest). Hatched, beside it: work that overlaps the step: generation on the "
                  "rollout engine, and PACE's prefix rescoring."),
+    "large_model": ("The large model (Figure 9)",
+                    "Validation on the first of `eval.figure_sets` and seconds per training step of the runs of the "
+                    "paper's 30B model (here: the runs' one model, named in the title)."),
+    "appendix_b": ("Complete validation trajectories (Appendix B)",
+                   "Validation mean@k of every method on every validation set and their average."),
+    "appendix_c1": ("Score variants and γ (Appendix C.1)",
+                    "Validation average and training reward (10-step mean) of Async, PACE (raw) and PACE (top), "
+                    "and of PACE at each γ (bottom), for the paper's 4B model (here: the runs' one model)."),
 }
 
 CLAIMS = {

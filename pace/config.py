@@ -157,6 +157,11 @@ class PoolConfig:
     # trainer takes some (back-pressure; nothing is discarded; `rollout/capacity_wait_s`), so host
     # memory stays bounded when production outruns training. null: no cap.
     capacity: Optional[int] = 1024
+    # Observe only: the share of groups (0: off, 1: all, 0.125: a fixed eighth by id) that get PACE's
+    # PFS, u and S_eff (pace.gamma, pace.score_window, pace.prefix_tokens) recorded when decided, without
+    # changing any decision; the rescoring costs engine time, logged in time/rescore (docs/pool-policies.md
+    # "Effective Staleness for the record"). Nothing to do for pool.name=pace with pace.score=effective.
+    record_effective: float = 0.0
 
 
 @dataclass
@@ -265,6 +270,9 @@ class EvalConfig:
     val_max_problems: Optional[int] = None  # in-training validation: first N problems of each set (null: all)
     val_k: Optional[int] = None  # in-training validation: samples per problem (null: k)
     best_within: Optional[int] = None  # best checkpoint among validations of versions <= N (null: all)
+    # The validation sets the paper's figures name (analysis/trajectories.py): Figure 5 draws each,
+    # Figures 3 and 9 the first. Names as logged (`val/<set>/mean@k`); empty: the last two logged.
+    figure_sets: list = field(default_factory=list)
 
 
 @dataclass
@@ -389,6 +397,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"pool.capacity={cap} is below data.batch_prompts={cfg.data.batch_prompts}: a batch could never form")
     if cap is not None and cfg.pool.name == "pace" and (cfg.pace.target_pool or cfg.data.batch_prompts) > cap:
         raise ConfigError(f"pace.target_pool={cfg.pace.target_pool} is above pool.capacity={cap}: the target is unreachable")
+    if not 0 <= cfg.pool.record_effective <= 1:
+        raise ConfigError(f"pool.record_effective must be in [0, 1] (a share of groups; 0: off), got {cfg.pool.record_effective}")
     if cfg.trainer.max_sync_mismatch is not None and not cfg.trainer.max_sync_mismatch > 0:
         raise ConfigError(f"trainer.max_sync_mismatch must be > 0 or null, got {cfg.trainer.max_sync_mismatch}")
     if cfg.trainer.sync_mismatch_steps < 0:

@@ -82,7 +82,7 @@ class PoolPolicy:
 
     def pfs_candidates(self, pooled: PoolColumns, step: int) -> np.ndarray:
         """Slots of the pooled groups whose Prefix Forgetting Score could change the decision at
-        ``step`` (PACE only: the rollout rescores just these)."""
+        ``step`` (PACE, and `pace/pool/recording.py` for the record: the rollout rescores just these)."""
         return np.empty(0, dtype=np.int64)
 
     def state_dict(self) -> dict:

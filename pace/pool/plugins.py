@@ -90,5 +90,6 @@ def build(path: str, batch_prompts: int, max_inflight_groups: int, args: dict) -
 
 
 def reads_pfs(policy) -> bool:
-    """Does the policy rank by the Prefix Forgetting Score (so the rollout rescores for it)?"""
+    """Does the policy ask for Prefix Forgetting Scores (PACE ranks by them; `RecordingPolicy` records
+    them), so the rollout rescores for it?"""
     return getattr(type(policy), "pfs_candidates", PoolPolicy.pfs_candidates) is not PoolPolicy.pfs_candidates

@@ -8,6 +8,7 @@ import numpy as np
 from pace.pool import plugins, scoring
 from pace.pool.base import AdmissionView, PoolPolicy, Selection
 from pace.pool.columns import PoolColumns
+from pace.pool.recording import RecordingPolicy
 from pace.pool.scoring import RejectionController, ScoreWindow
 from pace.records import Fate
 
@@ -178,6 +179,14 @@ POLICIES: dict[str, type[PoolPolicy]] = {
 
 
 def build_policy(cfg) -> PoolPolicy:
+    policy = _build_policy(cfg)
+    share = getattr(cfg.pool, "record_effective", 0.0)  # absent in configs saved before it
+    if share > 0 and not (cfg.pool.name == "pace" and cfg.pace.score == "effective"):
+        return RecordingPolicy(policy, gamma=cfg.pace.gamma, score_window=cfg.pace.score_window, share=share)
+    return policy
+
+
+def _build_policy(cfg) -> PoolPolicy:
     common = dict(batch_prompts=cfg.data.batch_prompts, max_inflight_groups=cfg.rollout.max_inflight_groups)
     name = cfg.pool.name
     if plugins.is_import_path(name):

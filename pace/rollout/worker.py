@@ -93,7 +93,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
                       "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0,
                       "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0,
                       "orphaned_responses": 0}
-        # PACE: rescore pooled prefixes after each update (for policies that read the PFS)
+        # rescore pooled prefixes after each update for policies that ask for the PFS (PACE, and any
+        # policy under pool.record_effective: pace/pool/recording.py)
         self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
         self._rescoring = {}
         self._rescore_started: float | None = None

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from analysis.build import build
+from analysis.build import FIGURES, build
 from analysis.runs import load
 from tests.conftest import ROOT
 
@@ -48,7 +48,8 @@ def test_every_figure_table_and_the_report_build(study, tmp_path):
     assert sorted(r.label for r in runs) == ["Async", "PACE", "PACE (raw)", "Stale-1", "Stale-8", "Sync"]
     numbers = build(runs, tmp_path, report=True, title="test")
     assert numbers["skipped"] == []
-    for name in ("validation", "stalek", "pace_staleness", "consumed_staleness", "pool_over_time", "walltime"):
+    assert numbers["figures"] == list(FIGURES)
+    for name in FIGURES:
         for ext in ("png", "pdf"):
             assert (tmp_path / f"{name}.{ext}").stat().st_size > 1000, name
     table = (tmp_path / "mean_at_k.md").read_text().splitlines()
@@ -67,7 +68,7 @@ def test_every_figure_table_and_the_report_build(study, tmp_path):
     assert untested == {"g_score_ablation", "h_gamma"}, {k: numbers["claims"][k] for k in untested}
     assert numbers["claims"]["e_time_to_peak"]["seeds"] == {"Sync": [0], "Async": [0]}
     report = (tmp_path / "report.md").read_text()
-    for name in ("validation", "stalek", "pace_staleness", "consumed_staleness", "pool_over_time", "walltime"):
+    for name in FIGURES:
         assert f"({name}.png)" in report
     # one seed per method: every claim is decided on an interval over seeds, so none is decided here
     assert report.count("**inconclusive**") == 6 and report.count("**not tested**") == 2

@@ -229,7 +229,9 @@ def test_figure_7_draws_one_method_alone_and_skips_a_run_without_groups():
     async_run = _run({"pool": {"name": "async"}}, {"reward/mean": [0.0, 0.1]}, groups)
     fig = figures.consumed_staleness([async_run])
     assert fig is not None and [ax.get_title() for ax in fig.axes][:3] == [
-        "Waiting Staleness $K_{wait}$", "Generation Staleness $K_{gen}$", "Staleness $K$"]
+        "Waiting Staleness $K_{wait}$", "Generation Staleness $K_{gen}$", "Effective Staleness $S_{eff}$"]
+    # no s_eff column (not recorded): the panel says so and draws nothing
+    assert not fig.axes[2].patches and fig.axes[2].texts[0].get_text() == "Async: not recorded (pool.record_effective)"
     assert figures.consumed_staleness([_run({"pool": {"name": "async"}}, {"reward/mean": [0.0]})]) is None
     assert figures.consumed_staleness([_run({"pool": {"name": "sync"}}, {"reward/mean": [0.0]}, groups)]) is None
 
