@@ -136,8 +136,11 @@ def run_config(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict]:
 def _log_wandb(cfg, scores: dict, table: dict, k: int, out: Path, scored: Path | None, selected: dict | None) -> None:
     """Online, a scored run's results go into its own wandb run (resumed by id); otherwise (offline,
     or a model that is not a run) into a run of their own, job_type eval, in eval.py's directory."""
+    import os
+
     from pace.logger import resolve_wandb_mode
 
+    os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
 
     mode = resolve_wandb_mode(cfg.logger.mode)
