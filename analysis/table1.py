@@ -114,16 +114,22 @@ def score(entries: list[Entry], out: Path, k: int | None, extra: list[str]) -> N
         raise SelectionError(f"{remote[0].source}: θ_{remote[0].selected['version']} has no eval.py score in its summary "
                              "(score its run folder: python eval.py model.path=<run>)")
     for e in tqdm(todo, desc="eval.py mean@k of the selected checkpoints", disable=not todo):
-        cmd = [sys.executable, str(ROOT / "eval.py"), f"model.path={e.source}", "logger.progress=false",
-               f"hydra.run.dir={out / 'eval' / e.name}", *([f"eval.k={k}"] if k else []), *extra]
+        cmd = [sys.executable, str(ROOT / "eval.py"), f"model.path={_quoted(e.source)}", "logger.progress=false",
+               f"hydra.run.dir={_quoted(out / 'eval' / e.name)}", *([f"eval.k={k}"] if k else []), *extra]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            lines = [line for line in proc.stderr.strip().splitlines() if "HYDRA_FULL_ERROR" not in line]
+            tail = (lines or ["(no output)"])[-1]
             raise SelectionError(f"{e.source}: eval.py failed (exit {proc.returncode}): {tail}")
         fresh = local_entry(Path(e.source), k)
         if fresh.scores is None:
             raise SelectionError(f"{e.source}: eval.py wrote no score for θ_{e.selected['version']}")
         e.scores = fresh.scores
+
+
+def _quoted(path) -> str:
+    """A path as a Hydra override value: sweep folders are named after overrides (`=`, `,`)."""
+    return "'" + str(path).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def gather(entries: list[Entry]) -> dict:
