@@ -82,6 +82,7 @@ class BestCheckpoint:
         self.best: dict | None = None  # {"version", "val/avg", "path"}
         self.history: list[dict] = []  # every validation: version and average
         self.checkpointed: int | None = None  # the best's version as the newest checkpoint recorded it
+        self.copies = {"count": 0, "seconds": 0.0}  # candidates written and the time writing them (summary)
         # candidates of a run that stopped: their validations are redone (the rollout's schedule)
         shutil.rmtree(self.candidates, ignore_errors=True)
 
@@ -97,7 +98,10 @@ class BestCheckpoint:
         return self.candidates / f"v{version:06d}"
 
     def keep_candidate(self, version: int, weights: list) -> None:
+        t0 = time.perf_counter()
         save_weights(self.candidate(version), weights, self.model_path)
+        self.copies["count"] += 1
+        self.copies["seconds"] += time.perf_counter() - t0
 
     def offer(self, result, avg: float) -> bool:
         """Record a validation; keep its weights if it is the new best. True if it is."""
@@ -148,7 +152,7 @@ class BestCheckpoint:
         shutil.rmtree(self.kept, ignore_errors=True)
 
     def summary(self) -> dict:
-        return {"best": self.best, "best_within": self.within, "validations": self.history}
+        return {"best": self.best, "best_within": self.within, "validations": self.history, "best_copies": self.copies}
 
     def state_dict(self) -> dict:
         return {"best": self.best, "history": list(self.history)}

@@ -127,6 +127,7 @@ def test_a_blocking_backend_keeps_each_validated_version_until_its_validation_de
     assert json.loads((run / "best.json").read_text()) == best.best
     assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 30.0))
     assert sorted(p.name for p in run.iterdir()) == ["best", "best-candidates", "best.json"]
+    assert best.summary()["best_copies"]["count"] == 4
     # other ranks: no best, no rollout; they gather when rank 0 decides so (pace/control.py)
     other = _Sync(None, every=10)
     publish(other, 60, None, None, decide=lambda flag: True)
