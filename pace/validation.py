@@ -3,7 +3,8 @@
 The rollout thread validates θ_v on the rollout engine (`RolloutWorker`, `eval.every`) and hands
 over a `Validation`; the train loop logs `val_metrics` (DESIGN §6: `val/<bench>/mean@k`,
 `val/avg`) and offers it to `BestCheckpoint`, which keeps the weights with the highest average
-among versions ≤ `eval.best_within` (Table 1: the best six-benchmark average within N updates).
+among versions ≤ `eval.best_within` in `<run>/best` (Table 1's selection: the best six-benchmark
+average within 300 updates; pace/selection.py), whatever the weight-transfer backend (`publish`).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class BestCheckpoint:
     - shm: the validation carries θ_v (the rollout read the slot it loaded): written on a new best.
     - nccl, gloo, ipc: the engines got θ_v by a broadcast, with no host copy. The trainer still holds
       θ_v right after publishing it: if the engines started validating it (`RolloutWorker.val_started`,
-      the engines' own schedule, so nothing is mirrored), train.py gathers θ_v (every rank) and
+      the engines' own schedule, so nothing is mirrored), `publish` gathers θ_v (every rank) and
       rank 0 writes it with `keep_candidate` to `best-candidates/v<N>/`. When θ_v's validation
       arrives, the candidate becomes `best/` (a rename) if it is the new best, else it is deleted.
       Cost: one model-directory write per validated version in the window, while the engines
