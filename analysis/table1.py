@@ -87,7 +87,7 @@ def wandb_entries(project: str, group: str, entity: str | None = None, k: int | 
     prefix = f"{entity}/{project}" if entity else project
     out = []
     for run in api.runs(prefix, filters={"group": group}):
-        if run.job_type == "eval":
+        if getattr(run, "job_type", None) == "eval":  # an offline-scored run's own eval run, synced
             continue
         cfg, summary = _unwrap_wandb_config(dict(run.config)), dict(run.summary)
         best = summary.get("best")

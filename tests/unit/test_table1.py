@@ -107,3 +107,31 @@ def test_a_run_never_validated_is_refused(tmp_path, capsys):
     d = make_run(tmp_path / "runs", "sync0", "sync", 0, 20, [0.1, 0.3])
     (d / "best.json").unlink()
     assert "no best.json" in _fails([str(tmp_path / "runs"), "--out", str(tmp_path / "out")], capsys)
+
+
+def test_from_wandb_the_scores_come_from_each_runs_summary(tmp_path):
+    """Online runs: eval.py wrote `eval/<bench>/mean@k` and `eval/version` into each run's summary;
+    the validation's keys there (`val/...`) are not read, an eval job's own run is skipped, and a
+    score of another version than the selection's does not count."""
+    from types import SimpleNamespace
+
+    def run(rid, pool, version, scored_version, scores, job_type="train"):
+        cfg = {"seed": {"value": 0}, "pool": {"value": {"name": pool}}, "algo": {"value": {"name": "dapo"}},
+               "eval": {"value": {"k": 32, "val_k": 4, "best_within": 300}}, "rollout": {"value": {"max_tool_calls": 0}}}
+        summary = {"best": {"version": version, "val/avg": 0.9, "path": "/gone"}, "eval/version": scored_version,
+                   **{f"eval/{n}/mean@32": v for n, v in scores.items()}, "val/aime_2024/mean@4": 0.9, "val/avg": 0.9}
+        return SimpleNamespace(id=rid, name=rid, config=cfg, summary=summary, job_type=job_type)
+
+    runs = [run("a", "sync", 20, 20, {"aime_2024": 0.1, "avg": 0.1}), run("b", "pace", 30, 30, {"aime_2024": 0.3, "avg": 0.3}),
+            run("e", "pace", 30, 30, {"aime_2024": 0.7, "avg": 0.7}, job_type="eval"),
+            run("c", "async", 40, 10, {"aime_2024": 0.5, "avg": 0.5})]
+    api = SimpleNamespace(runs=lambda path, filters: runs)
+    entries = table1.wandb_entries("pace", "g", api=api)
+    assert [(e.name, e.scores) for e in entries] == [("a", {"aime_2024": 0.1, "avg": 0.1}), ("b", {"aime_2024": 0.3, "avg": 0.3}),
+                                                     ("c", None)]
+    table1.build(entries[:2], tmp_path)
+    md = (tmp_path / "table1.md").read_text()
+    assert "| Sync | 10.00 | 10.00 |" in md and "| PACE | 30.00 | 30.00 |" in md and "mean@32 (%) by eval.py" in md
+    assert "(mean@4) with the best average within 300 updates" in md and "PACE: θ_30 (seed 0)" in md
+    with pytest.raises(table1.SelectionError, match="wandb:pace/c: θ_40 has no eval.py score"):
+        table1.score(entries, tmp_path, None, [])
