@@ -167,9 +167,11 @@ class BestCheckpoint:
         if self.best is None or self.best["version"] == 0:
             shutil.rmtree(self.path, ignore_errors=True)  # a best of the run that stopped, after the checkpoint
         elif on_disk != self.best["version"]:
-            if not self.kept.is_dir():
-                raise RuntimeError(f"resume: the checkpoint's best θ_{self.best['version']} is neither in {self.path} "
-                                   f"(holds θ_{on_disk}) nor in {self.kept}")
+            if not self.kept.is_dir():  # resumed from a checkpoint older than the newest
+                from pace.config import ConfigError
+
+                raise ConfigError(f"resume: the checkpoint's best θ_{self.best['version']} is neither in {self.path} "
+                                  f"(holds θ_{on_disk}) nor in {self.kept}: resume from the run's newest checkpoint")
             shutil.rmtree(self.path, ignore_errors=True)
             self.kept.rename(self.path)
         shutil.rmtree(self.kept, ignore_errors=True)
