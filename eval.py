@@ -1,13 +1,20 @@
 """mean@k of a model on benchmark sets, sampled with vLLM and graded by math-verify.
 
     python eval.py                                               # tiny model, arithmetic val split by level
-    python eval.py model.path=runs/<run>/best eval=math6         # Table 1's six benchmarks, mean@32 (hub)
+    python eval.py model.path=runs/<run>                         # a training run's selected checkpoint (Table 1)
     python eval.py model.path=Qwen/Qwen3-8B-Base eval=math6 eval.data_dir=../shared/benchmarks data.chat_template=true
 
 mean@k = mean over problems of the fraction of k samples that are correct (one request per problem
 with n = k); `avg` is the unweighted mean over benchmarks. Prompts use the training template
 (`data.template`, and the chat template when `data.chat_template`). Writes eval.json,
-results.md, results.csv and results.tex to the run directory.
+results.md, results.csv and results.tex to its own directory (hydra.run.dir).
+
+`model.path=<run>` (a training run's directory, or `<run>/best`) scores the version the run
+selected (best.json: pace/selection.py) with the run's own config (prompts, templates, sets,
+token budget, `eval.k`); the command line's other overrides apply on top (e.g. `eval.data_dir=`,
+`rollout.gpu_memory_utilization=`). The results go into the run: `<run>/eval/mean@<k>.{json,md,csv,tex}`,
+and to wandb: online, into the run's own wandb run (its summary, `eval/<bench>/mean@<k>`); offline,
+to a run of its own (job_type eval) in eval.py's directory.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from pace import selection
 from pace.config import ConfigError, register, validate
 
 register()
@@ -31,7 +39,11 @@ def main(cfg: DictConfig) -> None:
 
     from pace.tasks.math import DataError
 
+    scored = selected = None
     try:
+        scored = selection.run_dir_of(cfg.model.path)
+        if scored is not None:
+            cfg, selected = run_config(cfg, scored)
         validate(cfg)
         device = resolve_device(cfg)
         from pace.rollout import engine as engine_lib
@@ -44,7 +56,7 @@ def main(cfg: DictConfig) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         sets, dropped = sets_from_config(cfg, tokenizer)
-    except (UserError, ConfigError, DataError) as exc:
+    except (UserError, ConfigError, DataError, selection.SelectionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
@@ -72,37 +84,79 @@ def main(cfg: DictConfig) -> None:
         engine_lib.shutdown(llm)
 
     scores = evaluation.summarize(results)
-    table = {str(cfg.model.path or "tiny"): scores}
-    out = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    hydra_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    if scored is None:
+        table, out, stem = {str(cfg.model.path or "tiny"): scores}, hydra_dir, "results"
+    else:  # into the run: <run>/eval/mean@<k>.*
+        table = {f"{scored.name} θ_{selected['version']}": scores}
+        out, stem = selection.result_path(scored, k).parent, f"mean@{k}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps({
+    record = {
         "model": model_path, "k": k, f"mean@{k}": scores,
         "problems": {name: len(r) for name, r in results.items()},
         "dropped": dropped,  # prompts too long for rollout.max_model_len with the response budget
         "correct": results, "grading": grading,
-    }, indent=1))
-    (out / "results.md").write_text(evaluation.markdown_table(table, k, dropped))
-    (out / "results.csv").write_text(evaluation.csv_table(table))
-    (out / "results.tex").write_text(evaluation.latex_table(table, k))
+    }
+    if scored is not None:
+        record = {"run": str(scored), "selected": selected, **record}
+    (out / ("eval.json" if scored is None else f"{stem}.json")).write_text(json.dumps(record, indent=1))
+    (out / f"{stem}.md").write_text(evaluation.markdown_table(table, k, dropped))
+    (out / f"{stem}.csv").write_text(evaluation.csv_table(table))
+    (out / f"{stem}.tex").write_text(evaluation.latex_table(table, k))
     if cfg.logger.mode != "disabled":
-        _log_wandb(cfg, scores, table, k)
+        _log_wandb(cfg, scores, table, k, hydra_dir, scored, selected)
     for name, value in scores.items():
         notes = [f"{len(results[name])} problems"] if name in results else []
         if dropped.get(name):
             notes.append(f"{dropped[name]} dropped: prompt too long")
         note = "(" + ", ".join(notes) + ")" if notes else ""
         print(f"{evaluation.title(name):>16}  mean@{k} = {100 * value:6.2f}%  {note}")
-    print(f"tables: {out}/results.md, results.csv, results.tex")
+    if selected is not None:
+        print(f"scored θ_{selected['version']} of {scored} (selected by in-training validation "
+              f"mean@{selected['val_k']}: avg {selected['val/avg']:.3f})")
+    print(f"tables: {out}/{stem}.md, {stem}.csv, {stem}.tex")
 
 
-def _log_wandb(cfg, scores: dict, table: dict, k: int) -> None:
+def run_config(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict]:
+    """The run's own config with this command line's overrides on top, and its selection (best.json)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from pace.config import Config
+
+    saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".hydra" / "config.yaml"))
+    chosen = selection.selection(run_dir, OmegaConf.to_container(saved, resolve=True))
+    for override in HydraConfig.get().overrides.task:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key != "model.path":
+            OmegaConf.update(saved, key, OmegaConf.select(cfg, key), merge=False)
+    saved.model.path = chosen["path"]  # logger.mode stays the run's unless overridden: eval logs where it logged
+    return saved, chosen
+
+
+def _log_wandb(cfg, scores: dict, table: dict, k: int, out: Path, scored: Path | None, selected: dict | None) -> None:
+    """Online, a scored run's results go into its own wandb run (resumed by id); otherwise (offline,
+    or a model that is not a run) into a run of their own, job_type eval, in eval.py's directory."""
+    import os
+
     from pace.logger import resolve_wandb_mode
 
+    os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
 
-    run = wandb.init(project=cfg.logger.project, mode=resolve_wandb_mode(cfg.logger.mode), job_type="eval",
-                     name=cfg.logger.name or cfg.exp_name, config=OmegaConf.to_container(cfg, resolve=True))
-    run.log({f"eval/{name}/mean@{k}": v for name, v in scores.items()})
+    mode = resolve_wandb_mode(cfg.logger.mode)
+    values = {f"eval/{name}/mean@{k}": v for name, v in scores.items()}
+    if selected is not None:
+        values.update({"eval/version": selected["version"], "eval/k": k, "eval/val_k": selected["val_k"]})
+    run_id = selection.wandb_id(scored) if scored is not None else None
+    if mode == "online" and run_id is not None:
+        run = wandb.init(id=run_id, resume="must", project=cfg.logger.project, dir=str(out))
+        run.summary.update(values)
+        run.finish()
+        return
+    run = wandb.init(project=cfg.logger.project, mode=mode, job_type="eval", dir=str(out), group=cfg.logger.group,
+                     name=f"{scored.name}-eval" if scored is not None else (cfg.logger.name or cfg.exp_name),
+                     config={**OmegaConf.to_container(cfg, resolve=True), "scored_run": run_id})
+    run.log(values)
     header = ["method", *[n for n in scores if n != "avg"], "avg"]
     run.log({"eval/table": wandb.Table(columns=header, data=[[m, *(s[n] for n in header[1:])] for m, s in table.items()])})
     run.finish()

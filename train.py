@@ -287,7 +287,7 @@ def run(cfg: DictConfig) -> None:
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:
             validations = Validations(rollout, best, cfg.eval.val_k or cfg.eval.k, cfg.trainer.steps)
-            checkpointer.protect, checkpointer.on_saved = best.protected, best.saved  # the best's only copy stays
+            checkpointer.on_saved = best.saved  # a checkpoint records the best: what its resume needs
         state = ckpt.load_state(checkpoint) if checkpoint is not None else None
         logger = RunLogger(cfg, run_dir, config, group=default_group(cfg), resume=state and state["logger"])
         parts = ckpt.RunParts(pool, sampler, rollout, grader, logger, validations)
@@ -296,17 +296,24 @@ def run(cfg: DictConfig) -> None:
             print(f"resuming {run_dir} from {checkpoint.name}: {pool.occupancy} pooled groups; of those in flight "
                   f"at the checkpoint {len(kept)} continued, {len(dropped)} dropped (prompts returned)", file=sys.stderr)
         print(f"run directory: {run_dir}", file=sys.stderr)
+    from pace import validation
     from pace.sync import WeightSync
 
     control.barrier()  # rank 0 built the engines meanwhile: the others wait here, not in a collective below
     sync = WeightSync(cfg, trainer, rollout, device, barrier=control.barrier)  # every rank: the trainer side of vLLM weight transfer
     checkpointer.weights = sync.weights  # a checkpoint keeps θ_version as a model directory
+
+    def publish(version: int) -> None:
+        """Every rank: the engines load θ_version, and a copy of it is kept for `<run>/best` if the
+        engines validate it and no host copy reaches the validation (nccl, gloo, ipc)."""
+        validation.publish(sync, version, best, rollout, control.decide, keep=cfg.eval.every > 0)
+
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)
     if checkpoint is not None or engine_lib.engine_mode(cfg.rollout, device, world) == "server":
         # the engines start from θ_version (a server may hold an earlier run's weights)
         sync.prepare(trainer.version)
-        sync.publish(trainer.version)
+        publish(trainer.version)
     if main_rank:
         rollout.set_trainer_version(trainer.version)
         rollout.start()
@@ -369,7 +376,7 @@ def run(cfg: DictConfig) -> None:
             if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0 and trainer.version < cfg.trainer.steps:
                 checkpointer.save(f"every {cfg.trainer.save_every} steps", parts)
             if due:  # after the checkpoint: a sync run has nothing in flight in it
-                sync.publish(trainer.version)
+                publish(trainer.version)
         else:
             if validations is not None:  # the final weights' validation, logged after the last step
                 validations.finish(logger, cfg.trainer.steps, stop=lambda: stop.requested)

@@ -9,8 +9,10 @@
 Writes into --out, as PNG and PDF: validation (Figure 1), stalek (Figure 3), benchmarks (Figure 5),
 pace_staleness (Figure 6, --window updates), consumed_staleness (Figure 7), pool_over_time
 (occupancy and PACE's rejections per step), walltime (Figure 8), large_model (Figure 9),
-appendix_b and appendix_c1 (`FIGURES`); mean_at_k.{md,tex} (Table 1 at each run's best validation within --within updates),
-numbers.json (every number the figures, table and claims use) and, with --report, report.md (with
+appendix_b and appendix_c1 (`FIGURES`); val_best.{md,tex} (per method, each run's best in-training
+validation, mean@k of the validation, within --within updates: what selects Table 1's checkpoints,
+not Table 1, which is eval.py's score of them: python -m analysis.table1), numbers.json (every
+number the figures, table and claims use) and, with --report, report.md (with
 --previous, an earlier numbers.json, also how each verdict moved). A run folder's runs.tsv
 (scripts/reproduce_tiny.sh) names runs not measured alone, which claim (e) leaves
 out. A figure whose runs are absent is skipped and says so.
@@ -97,10 +99,10 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
         else:
             figures.save(fig, out, name)
             made.append(name)
-    table, k, where = figures.mean_at_k_table(runs, within)
+    table, k, where = val_best_table(runs, within)
     if table:
-        (out / "mean_at_k.md").write_text(markdown_table(table, k))
-        (out / "mean_at_k.tex").write_text(latex_table(table, k))
+        (out / "val_best.md").write_text("In-training validation, best per run: " + markdown_table(table, k))
+        (out / "val_best.tex").write_text("% In-training validation, best per run: " + latex_table(table, k).lstrip("% "))
     order = {label: i for i, label in enumerate(figures.by_label(runs))}
     runs = sorted(runs, key=lambda r: (order[r.label], r.seed, r.name))
     numbers = {
@@ -111,7 +113,7 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
                   "validation_avg": [float(v) for v in r.val["val/avg"]] if not r.val.empty else [],
                   "learning_score": learning_score(r)[0],
                   "train_seconds": float(r.steps["time/step"].sum()) if not r.steps.empty else 0.0} for r in runs],
-        "mean_at_k": {"k": k, "within": within, "table": table, "best": where,
+        "val_best": {"k": k, "within": within, "table": table, "best": where,
                       "avg_interval": {label: interval([b["avg"] for b in rows]) for label, rows in where.items()}},
         "seconds_per_step": figures.phase_means(runs),
         "val_noise": val_noise(runs),
@@ -127,6 +129,38 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
 
         write_report(out, numbers, title)
     return numbers
+
+
+def best_validation(run: Run, within: int | None):
+    """The validation row with the highest average among versions ≤ ``within`` (earliest on ties)."""
+    val = run.val if within is None else run.val[run.val["version"] <= within]
+    if val.empty:
+        return None
+    return val.loc[val["val/avg"].idxmax()]
+
+
+def val_best_table(runs: list[Run], within: int | None = None) -> tuple[dict[str, dict[str, float]], str, dict]:
+    """Per method, the in-training validation (mean@k of `eval.val_k` samples, on the validation's
+    problems) at each run's best validation within ``within`` updates, averaged over seeds; k; and
+    per method the versions and seeds. Not Table 1 (eval.py's scores of those versions:
+    analysis/table1.py)."""
+    import numpy as np
+
+    table, where, k = {}, {}, "k"
+    for label, rs in figures.by_label(runs).items():
+        rows = [(r, best_validation(r, within)) for r in rs]
+        rows = [(r, b) for r, b in rows if b is not None]
+        if not rows:
+            continue
+        # sorted names: arith_l1…l4, and the six math benchmarks in Table 1's order
+        cols = sorted(c for c in rows[0][1].index if c.startswith("val/") and "/mean@" in c)
+        k = cols[0].rsplit("@", 1)[1] if cols else k
+        scores = {c.split("/")[1]: float(np.mean([b[c] for _, b in rows])) for c in cols}
+        scores["avg"] = float(np.mean([b["val/avg"] for _, b in rows]))
+        table[label] = scores
+        where[label] = [{"run": r.name, "seed": r.seed, "version": int(b["version"]), "avg": float(b["val/avg"])}
+                        for r, b in rows]
+    return table, k, where
 
 
 def val_noise(runs: list[Run]) -> dict | None:
@@ -169,7 +203,7 @@ def main() -> None:
     ap.add_argument("--project", help="online wandb project (with --group)")
     ap.add_argument("--entity")
     ap.add_argument("--group", help="every run of this wandb group")
-    ap.add_argument("--within", type=int, help="Table 1: best validation among versions <= N (default: all)")
+    ap.add_argument("--within", type=int, help="val_best: best validation among versions <= N (default: all)")
     ap.add_argument("--window", type=int, default=50, help="Figure 6: training updates drawn (0: all; default 50)")
     ap.add_argument("--window-start", type=int, help="Figure 6: first step of the window (default: the last --window steps)")
     ap.add_argument("--first", type=int, default=300, help="Figure 5: validations of the first N steps (0: all; default 300)")

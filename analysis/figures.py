@@ -290,34 +290,3 @@ def walltime_breakdown(runs: list[Run], warmup: int = 5):
     ax.set(ylabel="seconds per step", title=f"Wall time per training step (steps ≥ {warmup})")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
-
-
-# ---------------------------------------------------------------- Table 1
-
-
-def best_validation(run: Run, within: int | None) -> pd.Series | None:
-    """The validation row with the highest average among versions ≤ ``within`` (earliest on ties)."""
-    val = run.val if within is None else run.val[run.val["version"] <= within]
-    if val.empty:
-        return None
-    return val.loc[val["val/avg"].idxmax()]
-
-
-def mean_at_k_table(runs: list[Run], within: int | None = None) -> tuple[dict[str, dict[str, float]], str, dict]:
-    """Table 1: per method, mean@k per benchmark and the average at each run's best validation
-    within ``within`` updates, averaged over seeds. Also returns k and, per method, the versions
-    and seeds the rows come from."""
-    table, where = {}, {}
-    for label, rs in by_label(runs).items():
-        rows = [(r, best_validation(r, within)) for r in rs]
-        rows = [(r, b) for r, b in rows if b is not None]
-        if not rows:
-            continue
-        # sorted names: arith_l1…l4, and the six math benchmarks in Table 1's order
-        cols = sorted(c for c in rows[0][1].index if c.startswith("val/") and "/mean@" in c)
-        scores = {c.split("/")[1]: float(np.mean([b[c] for _, b in rows])) for c in cols}
-        scores["avg"] = float(np.mean([b["val/avg"] for _, b in rows]))
-        table[label] = scores
-        where[label] = [{"run": r.name, "seed": r.seed, "version": int(b["version"]), "avg": float(b["val/avg"])}
-                        for r, b in rows]
-    return table, _k(runs), where

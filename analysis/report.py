@@ -1,4 +1,4 @@
-"""report.md: the figures, Table 1 and the claims in words, for a reader who has not read the code."""
+"""report.md: the figures, the in-training validation and the claims in words, for a reader who has not read the code."""
 from __future__ import annotations
 
 import math
@@ -290,7 +290,7 @@ def _moved(numbers: dict) -> list[str]:
 
 
 def _seed_table(runs: list[dict], best: dict) -> list[str]:
-    """Per method, the validation average over seeds with its 95% t-interval: best (Table 1's Avg.),
+    """Per method, the validation average over seeds with its 95% t-interval: best (the selection),
     final, and the mean over the validated versions after θ_0 (claim (c)'s learning score)."""
     from analysis.claims import interval
 
@@ -302,7 +302,7 @@ def _seed_table(runs: list[dict], best: dict) -> list[str]:
         return []
     pct = lambda iv: f"{100 * iv['mean']:.1f}" + ("" if iv["n"] < 2 else f" [{100 * iv['lo']:.1f}, {100 * iv['hi']:.1f}]")  # noqa: E731
     out = ["Validation average (%) over seeds, mean [95% t-interval]:", "",
-           "| method | seeds | best (Table 1) | final | mean after θ_0 |", "| --- | --- | --- | --- | --- |"]
+           "| method | seeds | best (selects Table 1's checkpoint) | final | mean after θ_0 |", "| --- | --- | --- | --- | --- |"]
     for label, rs in by.items():
         final = interval([r["validation_avg"][-1] for r in rs])
         after = interval([r["learning_score"] for r in rs])
@@ -349,12 +349,13 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
         lines += [f"## {head}", "", f"![{head}]({name}.png)", "", caption, ""]
     if numbers["skipped"]:
         lines += [f"Not drawn (no runs for them): {', '.join(numbers['skipped'])}.", ""]
-    table = out / "mean_at_k.md"
+    table = out / "val_best.md"
     if table.exists():
-        m = numbers["mean_at_k"]
+        m = numbers["val_best"]
         within = f"within {m['within']} updates" if m["within"] is not None else "over the whole run"
-        lines += ["## Table 1 layout: best validation", "",
-                  f"Per method, each run's best validation average {within}, mean over seeds.", "",
+        lines += [f"## In-training validation mean@{m['k']}: best per run", "",
+                  f"Per method, each run's best in-training validation average {within}, mean over seeds: the "
+                  "versions Table 1 scores, not Table 1 (eval.py's mean@k of them: `python -m analysis.table1`).", "",
                   table.read_text().strip(), ""]
         lines += _seed_table(runs, m.get("avg_interval", {}))
     path = out / "report.md"

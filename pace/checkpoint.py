@@ -23,8 +23,9 @@ them (pace/rollout/resuming.py). With it off, or from a checkpoint written befor
 as `dropped_shutdown` and their prompts go back to the sampler. Either way a resumed run decides
 every submitted group exactly once.
 A checkpoint is written to `step-N.tmp` and renamed when complete (a kill while writing leaves
-the previous ones intact); the newest `trainer.keep_checkpoints` are kept, and the checkpoint of the
-best validated version when it is the only copy of those weights (no `best/` copy: NCCL, IPC, gloo).
+the previous ones intact); the newest `trainer.keep_checkpoints` are kept. The best validated
+version's weights do not depend on checkpoints: `<run>/best/` holds them for every backend
+(pace/validation.py).
 """
 from __future__ import annotations
 
@@ -184,9 +185,7 @@ class Checkpointer:
         self.config = config
         self.keep = keep
         self.last: Path | None = None
-        # rank 0: the version whose checkpoint pruning keeps beside the newest `keep` (the best
-        # validated θ, when its checkpoint is its only copy), and who hears of each checkpoint saved
-        self.protect: Callable[[], int | None] = lambda: None
+        # rank 0: who hears of each checkpoint saved (the best checkpoint: what a resume needs of it)
         self.on_saved: Callable[[int], None] = lambda version: None
 
     def save(self, reason: str, parts: RunParts | None, meta: dict | None = None) -> Path:
@@ -217,10 +216,8 @@ class Checkpointer:
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)
-            kept = self.protect()
             for old in list_checkpoints(self.run_dir)[: -self.keep]:
-                if kept is None or old != step_dir(self.run_dir, kept):
-                    shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(old, ignore_errors=True)
             self.on_saved(version)
         self.barrier()
         self.last = path

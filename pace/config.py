@@ -233,8 +233,8 @@ class TrainerConfig:
     dist_timeout_s: Optional[int] = None
     control_timeout_s: int = 14400
     # Checkpoint every N steps and after the last (0: only when stopped by SIGTERM/SIGINT or a
-    # failure); <run>/checkpoints/step-N, the newest `keep_checkpoints` kept (and the best validated
-    # version's while it is the only copy of those weights). See pace/checkpoint.py.
+    # failure); <run>/checkpoints/step-N, the newest `keep_checkpoints` kept. See pace/checkpoint.py
+    # (the best validated version has its own copy, <run>/best: pace/validation.py).
     save_every: int = 0
     keep_checkpoints: int = 2
     # The engines compute with the trainer's weights (pace/mismatch.py): on-policy tokens' mean
@@ -269,7 +269,7 @@ class EvalConfig:
     at_start: bool = True  # also validate θ_0 (before any update) when every > 0
     val_max_problems: Optional[int] = None  # in-training validation: first N problems of each set (null: all)
     val_k: Optional[int] = None  # in-training validation: samples per problem (null: k)
-    best_within: Optional[int] = None  # best checkpoint among validations of versions <= N (null: all)
+    best_within: Optional[int] = None  # <run>/best: the best validation among versions <= N (null: the whole run)
     # The validation sets the paper's figures name (analysis/trajectories.py): Figure 5 draws each,
     # Figures 3 and 9 the first. Names as logged (`val/<set>/mean@k`); empty: the last two logged.
     figure_sets: list = field(default_factory=list)

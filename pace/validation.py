@@ -3,7 +3,8 @@
 The rollout thread validates θ_v on the rollout engine (`RolloutWorker`, `eval.every`) and hands
 over a `Validation`; the train loop logs `val_metrics` (DESIGN §6: `val/<bench>/mean@k`,
 `val/avg`) and offers it to `BestCheckpoint`, which keeps the weights with the highest average
-among versions ≤ `eval.best_within` (Table 1: the best six-benchmark average within N updates).
+among versions ≤ `eval.best_within` in `<run>/best` (Table 1's selection: the best six-benchmark
+average within 300 updates; pace/selection.py), whatever the weight-transfer backend (`publish`).
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-from pace.checkpoint import step_dir
 from pace.evaluation import summarize
 
 # files of a model directory that are not weights: copied next to the saved weights
@@ -52,72 +52,158 @@ def save_weights(path: Path, weights: list, model_path: str) -> None:
 
 
 class BestCheckpoint:
-    """Keeps the validated weights with the highest `val/avg` among versions ≤ ``within``.
+    """One copy of the best validated weights: `<run>/best/`, the validated version with the highest
+    `val/avg` among versions ≤ ``within`` (`eval.best_within`; None: the whole run), replaced when a
+    better one comes. Ties keep the earlier version. Version 0 is the model on disk: named, not copied.
 
-    Version 0 is the model on disk: it is named, not copied. Ties keep the earlier version.
+    Where the weights come from, for every weight-transfer backend:
+    - shm: the validation carries θ_v (the rollout read the slot it loaded): written on a new best.
+    - nccl, gloo, ipc: the engines got θ_v by a broadcast, with no host copy. The trainer still holds
+      θ_v right after publishing it: if the engines started validating it (`RolloutWorker.val_started`,
+      the engines' own schedule, so nothing is mirrored), `publish` gathers θ_v (every rank) and
+      rank 0 writes it with `keep_candidate` to `best-candidates/v<N>/`. When θ_v's validation
+      arrives, the candidate becomes `best/` (a rename) if it is the new best, else it is deleted.
+      Cost: one model-directory write per validated version in the window, while the engines
+      validate (the trainer's next weight update waits for that validation anyway).
+
+    best.json names the selected version, its average, and `path` (`<run>/best`, or the model on
+    disk for θ_0). Resume: the checkpoint's best must still be on disk. A best replaced after the
+    newest checkpoint (the run then stopped) would be lost to a resume from that checkpoint, so the
+    best a checkpoint recorded is moved to `best.checkpointed/` when replaced, and deleted once a
+    newer checkpoint records its successor (`saved`).
     """
 
     def __init__(self, run_dir: Path, model_path: str, within: int | None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "best"
+        self.kept = self.run_dir / "best.checkpointed"  # the best the newest checkpoint recorded, once replaced
+        self.candidates = self.run_dir / "best-candidates"
         self.model_path = model_path
         self.within = within
         self.best: dict | None = None  # {"version", "val/avg", "path"}
         self.history: list[dict] = []  # every validation: version and average
+        self.checkpointed: int | None = None  # the best's version as the newest checkpoint recorded it
+        self.copies = {"count": 0, "seconds": 0.0}  # candidates written and the time writing them (summary)
+        # candidates of a run that stopped: their validations are redone (the rollout's schedule)
+        shutil.rmtree(self.candidates, ignore_errors=True)
+
+    def in_window(self, version: int) -> bool:
+        return self.within is None or version <= self.within
+
+    def wants(self, version: int) -> bool:
+        """Whether θ_version, about to be validated, needs a candidate copy (train.py asks after
+        publishing it on a backend with no host copy of the weights)."""
+        return version != 0 and self.in_window(version)
+
+    def candidate(self, version: int) -> Path:
+        return self.candidates / f"v{version:06d}"
+
+    def keep_candidate(self, version: int, weights: list) -> None:
+        t0 = time.perf_counter()
+        save_weights(self.candidate(version), weights, self.model_path)
+        self.copies["count"] += 1
+        self.copies["seconds"] += time.perf_counter() - t0
 
     def offer(self, result, avg: float) -> bool:
-        """Record a validation; save its weights if it is the new best. True if it is."""
+        """Record a validation; keep its weights if it is the new best. True if it is."""
         self.history.append({"version": result.version, "val/avg": avg})
-        if self.within is not None and result.version > self.within:
-            return False
-        if self.best is not None and avg <= self.best["val/avg"]:
-            return False
-        if result.weights is None and result.version != 0:
-            # the engines received θ by NCCL/IPC/gloo: no host copy to save. θ_v's checkpoint, if
-            # one was written (before θ_v was published, so before its validation), holds it
-            path = self._checkpointed(result.version)
-        elif result.weights is None:
-            path = self.model_path
-        else:
-            save_weights(self.path, result.weights, self.model_path)
-            path = str(self.path)
-        self.best = {"version": result.version, "val/avg": avg, "path": path}
-        self._write()
-        return True
+        v = result.version
+        try:
+            if not self.in_window(v) or (self.best is not None and avg <= self.best["val/avg"]):
+                return False
+            if v == 0:
+                path = self.model_path
+            elif result.weights is not None or self.candidate(v).is_dir():
+                self._set_aside()
+                if result.weights is not None:
+                    save_weights(self.path, result.weights, self.model_path)
+                else:
+                    shutil.rmtree(self.path, ignore_errors=True)
+                    self.candidate(v).rename(self.path)
+                path = str(self.path)
+            else:  # train.py writes a candidate for every validated version in the window
+                raise RuntimeError(f"validation of θ_{v}: no copy of its weights to keep as the best "
+                                   f"(neither carried by the validation nor in {self.candidate(v)})")
+            self.best = {"version": v, "val/avg": avg, "path": path}
+            self._write()
+            return True
+        finally:
+            self._drop_candidates(upto=v)
 
-    def _model_dir(self, version: int) -> Path:
-        return step_dir(self.run_dir, version) / "model"
+    def _set_aside(self) -> None:
+        """Before `best/` is replaced: the newest checkpoint's best is moved aside (a resume from that
+        checkpoint needs it); any other is deleted."""
+        if self.best is not None and self.best["version"] == self.checkpointed and self.path.is_dir():
+            shutil.rmtree(self.kept, ignore_errors=True)
+            self.path.rename(self.kept)
 
-    def _checkpointed(self, version: int) -> str | None:
-        model = self._model_dir(version)
-        return str(model) if model.is_dir() else None
+    def _drop_candidates(self, upto: int) -> None:
+        if self.candidates.is_dir():
+            for d in self.candidates.iterdir():
+                if d.name.startswith("v") and d.name[1:].split(".")[0].isdigit() and int(d.name[1:].split(".")[0]) <= upto:
+                    shutil.rmtree(d, ignore_errors=True)
 
     def _write(self) -> None:
         (self.run_dir / "best.json").write_text(json.dumps(self.best, indent=1))
 
     def saved(self, version: int) -> None:
-        """A checkpoint of θ_version was written (`Checkpointer.on_saved`): name its model directory
-        if θ_version is the best and no copy of it exists (the final version's checkpoint comes
-        after its validation)."""
-        if self.best is not None and self.best["version"] == version and self.best["path"] is None:
-            self.best["path"] = self._checkpointed(version)
-            self._write()
-
-    def protected(self) -> int | None:
-        """The version whose checkpoint must outlive `trainer.keep_checkpoints` (`Checkpointer.protect`):
-        the best's, when its checkpoint is the only copy of its weights."""
-        if self.best is not None and self.best["path"] == str(self._model_dir(self.best["version"])):
-            return self.best["version"]
-        return None
+        """A checkpoint was written (`Checkpointer.on_saved`): it recorded the current best, so the
+        one set aside for the previous checkpoint is no longer needed."""
+        self.checkpointed = None if self.best is None else self.best["version"]
+        shutil.rmtree(self.kept, ignore_errors=True)
 
     def summary(self) -> dict:
-        return {"best": self.best, "best_within": self.within, "validations": self.history}
+        return {"best": self.best, "best_within": self.within, "validations": self.history, "best_copies": self.copies}
 
     def state_dict(self) -> dict:
         return {"best": self.best, "history": list(self.history)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume: the checkpoint's best, with its weights where they are now (`best/`, or set aside
+        in `best.checkpointed/` when a later validation of the run that stopped replaced it)."""
         self.best, self.history = state["best"], list(state["history"])
+        self.checkpointed = None if self.best is None else self.best["version"]
+        on_disk = self._on_disk()
+        if self.best is None or self.best["version"] == 0:
+            shutil.rmtree(self.path, ignore_errors=True)  # a best of the run that stopped, after the checkpoint
+        elif on_disk != self.best["version"]:
+            if not self.kept.is_dir():  # resumed from a checkpoint older than the newest
+                from pace.config import ConfigError
+
+                raise ConfigError(f"resume: the checkpoint's best θ_{self.best['version']} is neither in {self.path} "
+                                  f"(holds θ_{on_disk}) nor in {self.kept}: resume from the run's newest checkpoint")
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.kept.rename(self.path)
+        shutil.rmtree(self.kept, ignore_errors=True)
+        if self.best is not None:
+            self._write()
+        else:
+            (self.run_dir / "best.json").unlink(missing_ok=True)
+
+    def _on_disk(self) -> int | None:
+        """The version `best/` holds, as best.json (written right after it) says."""
+        try:
+            return json.loads((self.run_dir / "best.json").read_text())["version"] if self.path.is_dir() else None
+        except (OSError, ValueError, KeyError):
+            return None
+
+
+def publish(sync, version: int, best: BestCheckpoint | None, rollout, decide=lambda flag: flag, keep: bool = True) -> None:
+    """Every rank: the engines load θ_version (`WeightSync.publish`). With a blocking transfer (nccl,
+    gloo, ipc: no host copy of θ reaches the validation), if the engines started validating θ_version
+    and `best` wants it, every rank gathers θ_version (a collective) and rank 0 keeps it as a candidate.
+    ``best``, ``rollout``: rank 0's (None elsewhere); ``decide``: rank 0's flag on every rank
+    (pace/control.py); ``keep``: validation is on (`eval.every` > 0), on every rank."""
+    from pace.rollout import transfer
+
+    sync.publish(version)
+    if not keep or sync.backend == transfer.BACKEND:  # shm: the validation carries θ (see BestCheckpoint)
+        return
+    wanted = best is not None and rollout.val_started == version and best.wants(version)
+    if decide(wanted):
+        weights = sync.weights(version)
+        if best is not None:
+            best.keep_candidate(version, weights)
 
 
 class Validations:

@@ -6,6 +6,10 @@ Right after θ_v loads for a due v, the validation set is submitted (one n = k r
 ahead of rollout work) and further weight updates are held until it is graded, so every
 validation sample comes from θ_v exactly. θ_v is validated for v = 0 (`eval.at_start`), the first
 loaded version at or past each multiple of `eval.every`, and the final version (`trainer.steps`).
+`val_started` is the version whose validation was last submitted: with a blocking weight transfer
+(nccl, gloo, ipc) it is set before the trainer's `publish` returns, so the trainer learns from the
+schedule itself, not a copy of it, that θ_v will be validated (and keeps a copy of θ_v for the best
+checkpoint: pace/validation.py).
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ class Validation:
 
 
 class ValidationMixin:
+    val_started: int | None = None  # the version whose validation was last submitted
+
     def _maybe_validate(self, weights) -> None:
         """``weights``: a callable returning θ_v as (name, tensor) pairs (read only if v is due), or None."""
         v = self.engine_version
@@ -43,6 +49,7 @@ class ValidationMixin:
                                  tools=evaluation.tool_runner(self.cfg, self.tokenizer, on_done=self._wake.set))
         run.submit(self.engine, priority=engine_lib.VALIDATION_PRIORITY, salt=engine_lib.cache_salt(v))
         self._val = (run, v, weights() if weights is not None else None, time.perf_counter())
+        self.val_started = v
 
     def _poll_validation(self) -> bool:
         if self._val is None:

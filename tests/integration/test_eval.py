@@ -38,3 +38,14 @@ def test_eval_fails_in_one_line_on_an_unknown_benchmark(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "unknown benchmark 'aime_1999'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_eval_of_a_run_whose_selected_version_has_no_weights_fails_in_one_line(tmp_path):
+    from tests.unit.test_table1 import make_run
+
+    run = make_run(tmp_path, "pace0", "pace", 0, 30, None, checkpoint=False)
+    cmd = [sys.executable, str(ROOT / "eval.py"), f"model.path={run}", f"hydra.run.dir={tmp_path / 'eval'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: {run}: the selected version θ_30 has no checkpoint "
+                                                    f"({run / 'best'} is not a model directory)")

@@ -155,11 +155,14 @@ def test_several_child_engines_take_weights_over_gloo_and_stay_on_policy(tiny_mo
     worker in one group, each engine's workers at their own ranks, every engine called at once.
     A sync run's tokens are all on-policy, so its mismatch says every engine computes with the
     trainer's weights after each sync. With the engines' ranks equal, or called one after another,
-    the rendezvous never completes (the run hangs: this test's timeout)."""
+    the rendezvous never completes (the run hangs: this test's timeout).
+    No host copy of θ reaches the validation over gloo: the trainer copies each validated version
+    for <run>/best (every rank gathers it), here θ_2 (the best within 2 updates), checkpointed too."""
     launcher = [*torchrun(processes)] if processes > 1 else [sys.executable]
     cmd = [*launcher, str(ROOT / "train.py"), "+exp=sync_tiny", "trainer.steps=3", f"rollout.engines={engines}",
-           "rollout.engine_process=child", "rollout.weight_transfer=gloo", "eval.every=0", "logger.mode=disabled",
-           "logger.progress=false", f"hydra.run.dir={tmp_path}"]
+           "rollout.engine_process=child", "rollout.weight_transfer=gloo", "logger.mode=disabled",
+           "eval.every=2", "eval.at_start=false", "eval.k=2", "data.arithmetic.n_val=8", "eval.best_within=2",
+           "trainer.save_every=2", "logger.progress=false", f"hydra.run.dir={tmp_path}"]
     import os
     import signal
 
@@ -178,6 +181,16 @@ def test_several_child_engines_take_weights_over_gloo_and_stay_on_policy(tiny_mo
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     mismatch = [m["mismatch/abs_logp_diff"] for m in metrics if "mismatch/abs_logp_diff" in m]
     assert len(mismatch) == 3 and max(mismatch) < 5e-6, mismatch  # float32 rounding: ~4e-7 measured
+    import torch
+    from safetensors.torch import load_file
+
+    assert json.loads((tmp_path / "best.json").read_text()) == {"version": 2, "val/avg": summary["best"]["val/avg"],
+                                                                 "path": str(tmp_path / "best")}
+    best = load_file(tmp_path / "best" / "model.safetensors")
+    saved = load_file(tmp_path / "checkpoints" / "step-000002" / "model" / "model.safetensors")
+    assert best.keys() == saved.keys() and all(torch.equal(best[k], saved[k]) for k in best)
+    assert not any((tmp_path / "best-candidates").iterdir())  # θ_2's copy became best/; none other was made
+    assert summary["best_copies"]["count"] == 1  # θ_3 is past eval.best_within: not copied
 
 
 def _signal(proc, target: str) -> None:

@@ -85,56 +85,98 @@ def test_best_checkpoint_version_0_names_the_model_on_disk(tmp_path, model_dir):
     assert best.best["path"] == str(model_dir) and not (tmp_path / "best").exists()
 
 
-def test_without_a_host_copy_the_best_is_its_checkpoint_and_outlives_keep_checkpoints(tmp_path, model_dir, monkeypatch):
-    """NCCL/IPC/gloo: no `best/` copy; θ_v's checkpoint names it, and pruning keeps it while it is the best."""
+class _Sync:
+    """Stands in for `WeightSync` with a blocking backend (nccl, gloo, ipc): publishing θ_v lets the
+    engines load it, and they validate it on their own schedule (the first loaded version at or
+    past each multiple of ``every``); ``weights`` reads the trainer's θ_v (a collective on every rank)."""
+
+    backend = "nccl"
+
+    def __init__(self, rollout, every: int):
+        self.rollout, self.every, self.gathered = rollout, every, []
+
+    def publish(self, version):
+        if self.rollout is not None and version >= self.rollout.next:  # rank 0 drives the engines
+            self.rollout.val_started, self.rollout.next = version, (version // self.every + 1) * self.every
+
+    def weights(self, version):
+        self.gathered.append(version)
+        return _weights(float(version))
+
+
+def test_a_blocking_backend_keeps_each_validated_version_until_its_validation_decides(tmp_path, model_dir):
+    """No host copy reaches the validation: the trainer copies θ_v after publishing it, when the
+    engines validate it; the validation promotes the copy to best/ or deletes it. Versions that are
+    no checkpoint's (save_every 20, validation every 10: 10, 30, 50) still have their weights."""
     from safetensors.torch import load_file
 
-    from pace import checkpoint
+    from pace.validation import publish
 
-    class _Trainer:
-        version = 0
+    run = tmp_path / "run"
+    rollout = SimpleNamespace(val_started=None, next=10)
+    sync, best = _Sync(rollout, every=10), BestCheckpoint(run, str(model_dir), within=40)
+    avg = {10: 0.5, 20: 0.4, 30: 0.7, 40: 0.6, 50: 0.99}  # 50 is past N = 40
+    for v in range(1, 51):
+        publish(sync, v, best, rollout)
+        if v in avg:  # the validation arrives later than the copy (here: right after)
+            assert best.candidate(v).is_dir() == (v <= 40)
+            best.offer(_validation(v, {}), avg[v])
+            assert not best.candidates.exists() or not any(best.candidates.iterdir())
+    assert sync.gathered == [10, 20, 30, 40]  # the validated versions in the window, nothing else
+    assert best.best == {"version": 30, "val/avg": 0.7, "path": str(run / "best")}
+    assert json.loads((run / "best.json").read_text()) == best.best
+    assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 30.0))
+    assert sorted(p.name for p in run.iterdir()) == ["best", "best-candidates", "best.json"]
+    assert best.summary()["best_copies"]["count"] == 4
+    # other ranks: no best, no rollout; they gather when rank 0 decides so (pace/control.py)
+    other = _Sync(None, every=10)
+    publish(other, 60, None, None, decide=lambda flag: True)
+    assert other.gathered == [60]
 
-        def save(self, path):
-            path.mkdir(parents=True)
 
-        def state_dict(self):
-            return {}
+def test_shm_needs_no_candidate_and_a_validation_without_weights_fails_loudly(tmp_path, model_dir):
+    from pace.validation import publish
 
-    monkeypatch.setattr(checkpoint, "capture", lambda parts: b"")
-    run, trainer = tmp_path / "run", _Trainer()
-    acc = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
-    ck = checkpoint.Checkpointer(run, acc, trainer, {}, keep=2, model_path=str(model_dir))
-    ck.weights = lambda v: _weights(float(v))
+    rollout = SimpleNamespace(val_started=None, next=10)
+    sync = _Sync(rollout, every=10)
+    sync.backend = "pace_shm"
+    best = BestCheckpoint(tmp_path, str(model_dir), within=None)
+    publish(sync, 10, best, rollout)
+    assert sync.gathered == [] and not best.candidate(10).exists()  # θ_10 comes with its validation
+    with pytest.raises(RuntimeError, match="validation of θ_20: no copy of its weights"):
+        best.offer(_validation(20, {}), 0.5)
+
+
+def test_resume_finds_the_checkpoints_best_even_after_a_later_one_replaced_it(tmp_path, model_dir):
+    """θ_10 is the best when step 20 is checkpointed; θ_30 replaces it; the run stops. Resumed from
+    step 20, the best is θ_10 again, with its weights (set aside, not deleted)."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
     best = BestCheckpoint(run, str(model_dir), within=None)
-    ck.protect, ck.on_saved = best.protected, best.saved
+    best.offer(_validation(10, {}, _weights(10.0)), 0.5)
+    state = best.state_dict()  # the checkpoint of step 20 records it
+    best.saved(20)
+    best.offer(_validation(30, {}, _weights(30.0)), 0.7)
+    assert (run / "best.checkpointed").is_dir()  # θ_10, for a resume from step 20
+    best.keep_candidate(40, _weights(40.0))  # written, then the run stopped before its validation
+    resumed = BestCheckpoint(run, str(model_dir), within=None)
+    assert not resumed.candidates.exists() or not any(resumed.candidates.iterdir())
+    resumed.load_state_dict(state)
+    assert resumed.best["version"] == 10 and json.loads((run / "best.json").read_text())["version"] == 10
+    assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
+    assert not (run / "best.checkpointed").exists()
+    # a later checkpoint records its best: the one set aside for the previous one goes
+    best.saved(40)
+    best.offer(_validation(50, {}, _weights(50.0)), 0.9)
+    assert (run / "best.checkpointed").is_dir()
+    best.saved(60)
+    assert not (run / "best.checkpointed").exists()
+    # from an older checkpoint than the newest, its best is gone: said in one line, not guessed
+    from pace.config import ConfigError
 
-    def step(version, avg=None):  # θ_v checkpointed (every 10 here), then published and validated
-        trainer.version = version
-        if version % 10 == 0:
-            ck.save("every 10 steps", None)
-        if avg is not None:
-            best.offer(_validation(version, {}), avg)
-
-    def on_disk():
-        return [p.name for p in checkpoint.list_checkpoints(run)]
-
-    step(10, 0.5)
-    assert best.best["path"] == str(run / "checkpoints" / "step-000010" / "model")
-    assert torch.equal(load_file(f"{best.best['path']}/model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
-    step(15, 0.9)  # the best, never checkpointed: nothing to name
-    assert best.best == {"version": 15, "val/avg": 0.9, "path": None} and best.protected() is None
-    step(20), step(30)
-    assert on_disk() == ["step-000020", "step-000030"]  # 10 is no longer the best: pruned
-    step(40, 0.95)
-    step(50), step(60), step(70, 0.2)
-    assert on_disk() == ["step-000040", "step-000060", "step-000070"]  # the best's checkpoint stays
-    assert json.loads((run / "best.json").read_text())["path"].endswith("step-000040/model")
-    trainer.version = 80
-    best.offer(_validation(80, {}), 0.99)  # the final version: validated before its checkpoint exists
-    assert best.best["path"] is None
-    ck.save("end of training", None)
-    assert best.best["path"] == str(run / "checkpoints" / "step-000080" / "model") == best.summary()["best"]["path"]
-    assert on_disk() == ["step-000070", "step-000080"] and not (run / "best").exists()
+    with pytest.raises(ConfigError, match="resume: the checkpoint's best θ_10 is neither in"):
+        BestCheckpoint(run, str(model_dir), within=None).load_state_dict(state)
 
 
 # ---------------------------------------------------------------- EvalRun with malformed outputs
