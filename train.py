@@ -411,6 +411,7 @@ def run(cfg: DictConfig) -> None:
                        "checkpoint": str(saved or checkpointer.last) if (saved or checkpointer.last) else None,
                        "resumed_from": str(checkpoint) if checkpoint is not None else None}
             if best is not None:
+                best.close()  # candidates of validations that will not come (a resume redoes them)
                 summary.update(best.summary())
             logger.close(pool.remaining() if saved is None else [], summary)
             engine_lib.shutdown(llm, timeout=2.0)  # deaf to SIGTERM (pace/signals.py): killed after 2 s

@@ -126,8 +126,10 @@ def test_a_blocking_backend_keeps_each_validated_version_until_its_validation_de
     assert best.best == {"version": 30, "val/avg": 0.7, "path": str(run / "best")}
     assert json.loads((run / "best.json").read_text()) == best.best
     assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 30.0))
-    assert sorted(p.name for p in run.iterdir()) == ["best", "best-candidates", "best.json"]
     assert best.summary()["best_copies"]["count"] == 4
+    best.keep_candidate(60, _weights(60.0))  # the run stops before θ_60's validation
+    best.close()  # train.py's `finally`, however the run ends: no candidate (a full model each) is left
+    assert sorted(p.name for p in run.iterdir()) == ["best", "best.json"]
     # other ranks: no best, no rollout; they gather when rank 0 decides so (pace/control.py)
     other = _Sync(None, every=10)
     publish(other, 60, None, None, decide=lambda flag: True)
