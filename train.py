@@ -306,7 +306,8 @@ def run(cfg: DictConfig) -> None:
     def publish(version: int) -> None:
         """Every rank: the engines load θ_version, and a copy of it is kept for `<run>/best` if the
         engines validate it and no host copy reaches the validation (nccl, gloo, ipc)."""
-        validation.publish(sync, version, best, rollout, control.decide, keep=cfg.eval.every > 0)
+        validation.publish(sync, version, best, rollout, control.decide, keep=cfg.eval.every > 0,
+                           within=cfg.eval.best_within)
 
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)

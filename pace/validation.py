@@ -262,16 +262,20 @@ def in_window(version: int, within: int | None) -> bool:
     return within is None or version <= within
 
 
-def publish(sync, version: int, best: BestCheckpoint | None, rollout, decide=lambda flag: flag, keep: bool = True) -> None:
+def publish(sync, version: int, best: BestCheckpoint | None, rollout, decide=lambda flag: flag, keep: bool = True,
+            within: int | None = None) -> None:
     """Every rank: the engines load θ_version (`WeightSync.publish`). With a blocking transfer (nccl,
     gloo, ipc: no host copy of θ reaches the validation), if the engines started validating θ_version
     and `best` wants it, every rank gathers θ_version (a collective) and rank 0 keeps it as a candidate.
     ``best``, ``rollout``: rank 0's (None elsewhere); ``decide``: rank 0's flag on every rank
-    (pace/control.py); ``keep``: validation is on (`eval.every` > 0), on every rank."""
+    (pace/control.py, a broadcast); ``keep``: validation is on (`eval.every` > 0) and ``within``:
+    `eval.best_within`, on every rank, so versions that cannot be selected skip that broadcast."""
     from pace.rollout import transfer
 
     sync.publish(version)
     if not keep or sync.backend == transfer.BACKEND:  # shm: the validation carries θ (see BestCheckpoint)
+        return
+    if version == 0 or not in_window(version, within):  # no rank would gather it
         return
     wanted = best is not None and rollout.val_started == version and best.wants(version)
     if decide(wanted):

@@ -116,13 +116,20 @@ def test_a_blocking_backend_keeps_each_validated_version_until_its_validation_de
     rollout = SimpleNamespace(val_started=None, next=10)
     sync, best = _Sync(rollout, every=10), BestCheckpoint(run, str(model_dir), within=40)
     avg = {10: 0.5, 20: 0.4, 30: 0.7, 40: 0.6, 50: 0.99}  # 50 is past N = 40
+    decided = []
+
+    def decide(flag):  # rank 0's flag on every rank: a collective (pace/control.py)
+        decided.append(flag)
+        return flag
+
     for v in range(1, 51):
-        publish(sync, v, best, rollout)
+        publish(sync, v, best, rollout, decide, within=40)
         if v in avg:  # the validation arrives later than the copy (here: right after)
             assert best.candidate(v).is_dir() == (v <= 40)
             best.offer(_validation(v, {}), avg[v])
             assert not best.candidates.exists() or not any(best.candidates.iterdir())
     assert sync.gathered == [10, 20, 30, 40]  # the validated versions in the window, nothing else
+    assert len(decided) == 40  # every rank knows the window: no collective past it (θ_41 … θ_50)
     assert best.best == {"version": 30, "val/avg": 0.7, "path": str(run / "best")}
     assert json.loads((run / "best.json").read_text()) == best.best
     assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 30.0))
