@@ -286,7 +286,9 @@ def run(cfg: DictConfig) -> None:
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:
-            validations = Validations(rollout, best, cfg.eval.val_k or cfg.eval.k, cfg.trainer.steps)
+            from pace.selection import val_k
+
+            validations = Validations(rollout, best, val_k(cfg), cfg.trainer.steps)
             checkpointer.on_saved = best.saved  # a checkpoint records the best: what its resume needs
         state = ckpt.load_state(checkpoint) if checkpoint is not None else None
         logger = RunLogger(cfg, run_dir, config, group=default_group(cfg), resume=state and state["logger"])
