@@ -13,8 +13,9 @@ results.md, results.csv and results.tex to its own directory (hydra.run.dir).
 selected (best.json: pace/selection.py) with the run's own config (prompts, templates, sets,
 token budget, `eval.k`); the command line's other overrides apply on top (e.g. `eval.data_dir=`,
 `rollout.gpu_memory_utilization=`). The results go into the run: `<run>/eval/mean@<k>.{json,md,csv,tex}`,
-and to wandb: online, into the run's own wandb run (its summary, `eval/<bench>/mean@<k>`); offline,
-to a run of its own (job_type eval) in eval.py's directory.
+and to wandb: online, into the run's own wandb run if it trained online (its summary,
+`eval/<bench>/mean@<k>`; the run's id: summary.json's `wandb`); otherwise, to a run of its own
+(job_type eval) in eval.py's directory.
 """
 from __future__ import annotations
 
@@ -134,8 +135,9 @@ def run_config(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict]:
 
 
 def _log_wandb(cfg, scores: dict, table: dict, k: int, out: Path, scored: Path | None, selected: dict | None) -> None:
-    """Online, a scored run's results go into its own wandb run (resumed by id); otherwise (offline,
-    or a model that is not a run) into a run of their own, job_type eval, in eval.py's directory."""
+    """Online, a scored run's results go into its own wandb run (resumed by id) if it trained online;
+    otherwise (offline, a run trained offline, or a model that is not a run) into a run of their own,
+    job_type eval, in eval.py's directory."""
     import os
 
     from pace.logger import resolve_wandb_mode
@@ -147,8 +149,9 @@ def _log_wandb(cfg, scores: dict, table: dict, k: int, out: Path, scored: Path |
     values = {f"eval/{name}/mean@{k}": v for name, v in scores.items()}
     if selected is not None:
         values.update({"eval/version": selected["version"], "eval/k": k, "eval/val_k": selected["val_k"]})
-    run_id = selection.wandb_id(scored) if scored is not None else None
-    if mode == "online" and run_id is not None:
+    trained = selection.wandb_run(scored) if scored is not None else None
+    run_id = trained and trained["id"]
+    if mode == "online" and trained is not None and trained["mode"] == "online":  # a run trained offline is not on the server
         run = wandb.init(id=run_id, resume="must", project=cfg.logger.project, dir=str(out))
         run.summary.update(values)
         run.finish()
