@@ -89,10 +89,13 @@ class BestCheckpoint:
       rank 0 writes it with `keep_candidate` to `best-candidates/v<N>/`. When θ_v's validation
       arrives, the candidate becomes `best/` (a rename) if it is the new best, else it is deleted.
       Cost: one model-directory write per validated version in the window, while the engines
-      validate (the trainer's next weight update waits for that validation anyway).
+      validate (the next weight update waits for that validation anyway) but between collectives:
+      the next training step waits for the write on every rank (an 8B model: 16 GB, ~16 s at 1 GB/s;
+      `best_copies` in the summary). Candidates left at the end of a run are deleted (`close`).
 
     best.json names the selected version, its average, and `path` (`<run>/best`, or the model on
-    disk for θ_0). Resume: the checkpoint's best must still be on disk. A best replaced after the
+    disk for θ_0); `best/version.json`, written with the weights, the version `best/` holds (a kill
+    between the two writes cannot pass one version's weights off as another's). Resume: the checkpoint's best must still be on disk. A best replaced after the
     newest checkpoint (the run then stopped) would be lost to a resume from that checkpoint, so the
     best a checkpoint recorded is moved to `best.checkpointed/` when replaced, and deleted once a
     newer checkpoint records its successor (`saved`).
