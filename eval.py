@@ -42,9 +42,9 @@ def main(cfg: DictConfig) -> None:
 
     scored = selected = None
     try:
-        scored = selection.run_dir_of(cfg.model.path)
+        scored = selection.run_dir_named(cfg.model.path)
         if scored is not None:
-            cfg, selected = run_config(cfg, scored)
+            cfg, selected = scored_config(cfg, scored)
         validate(cfg)
         device = resolve_device(cfg)
         from pace.rollout import engine as engine_lib
@@ -118,18 +118,15 @@ def main(cfg: DictConfig) -> None:
     print(f"tables: {out}/{stem}.md, {stem}.csv, {stem}.tex")
 
 
-def run_config(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict]:
+def scored_config(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict]:
     """The run's own config with this command line's overrides on top, and its selection (best.json)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from pace.config import Config
+    from pace.config import saved_config
 
-    saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".hydra" / "config.yaml"))
-    chosen = selection.selection(run_dir, OmegaConf.to_container(saved, resolve=True))
-    for override in HydraConfig.get().overrides.task:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key != "model.path":
-            OmegaConf.update(saved, key, OmegaConf.select(cfg, key), merge=False)
+    chosen = selection.selection(run_dir, selection.run_config(run_dir))  # as the run selected: its own eval.*
+    saved = saved_config(run_dir / ".hydra" / "config.yaml", cfg, list(HydraConfig.get().overrides.task),
+                         keep=lambda key: key == "model.path")
     saved.model.path = chosen["path"]  # logger.mode stays the run's unless overridden: eval logs where it logged
     return saved, chosen
 

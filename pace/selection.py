@@ -21,7 +21,7 @@ class SelectionError(Exception):
     """A run with no selection, or a selected version without its weights: one line naming both."""
 
 
-def run_dir_of(path: str | Path | None) -> Path | None:
+def run_dir_named(path: str | Path | None) -> Path | None:
     """The run directory ``path`` names (`<run>` or `<run>/best`: a directory with best.json), else None."""
     if path is None:
         return None
