@@ -44,3 +44,19 @@ def test_the_wandb_run_is_the_one_summary_json_names_else_the_newest_folder(tmp_
     (d / "summary.json").write_text(json.dumps({"status": "done", "wandb": {"id": "named", "mode": "online"}}))
     assert selection.wandb_run(d) == {"id": "named", "mode": "online"}
     assert selection.wandb_run(tmp_path / "none") is None
+
+
+def test_the_logger_names_its_wandb_run_in_summary_json(tmp_path, monkeypatch):
+    """An offline run: summary.json names the wandb run the run's folder holds, so eval.py's scores
+    go to a run of their own (not resumed by id on a server that never saw it)."""
+    from test_config import compose_cfg
+
+    from pace.logger import RunLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose_cfg(["logger.mode=offline"])
+    logger = RunLogger(cfg, tmp_path, {}, group="g")
+    logger.close([], {"status": "finished"})
+    named = json.loads((tmp_path / "summary.json").read_text())["wandb"]
+    folder = next((tmp_path / "wandb").glob("offline-run-*"))
+    assert named == {"id": folder.name.rsplit("-", 1)[1], "mode": "offline"} == selection.wandb_run(tmp_path)
