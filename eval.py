@@ -13,8 +13,9 @@ results.md, results.csv and results.tex to its own directory (hydra.run.dir).
 selected (best.json: pace/selection.py) with the run's own config (prompts, templates, sets,
 token budget, `eval.k`); the command line's other overrides apply on top (e.g. `eval.data_dir=`,
 `rollout.gpu_memory_utilization=`). The results go into the run: `<run>/eval/mean@<k>.{json,md,csv,tex}`,
-and to wandb: online, into the run's own wandb run (its summary, `eval/<bench>/mean@<k>`); offline,
-to a run of its own (job_type eval) in eval.py's directory.
+and to wandb: online, into the run's own wandb run if it trained online (its summary,
+`eval/<bench>/mean@<k>`; the run's id: summary.json's `wandb`); otherwise, to a run of its own
+(job_type eval) in eval.py's directory.
 """
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ def main(cfg: DictConfig) -> None:
 
     scored = selected = None
     try:
-        scored = selection.run_dir_of(cfg.model.path)
+        scored = selection.run_dir_named(cfg.model.path)
         if scored is not None:
-            cfg, selected = run_config(cfg, scored)
+            cfg, selected = scored_config(cfg, scored)
         validate(cfg)
         device = resolve_device(cfg)
         from pace.rollout import engine as engine_lib
@@ -117,25 +118,23 @@ def main(cfg: DictConfig) -> None:
     print(f"tables: {out}/{stem}.md, {stem}.csv, {stem}.tex")
 
 
-def run_config(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict]:
+def scored_config(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict]:
     """The run's own config with this command line's overrides on top, and its selection (best.json)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from pace.config import Config
+    from pace.config import saved_config
 
-    saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / ".hydra" / "config.yaml"))
-    chosen = selection.selection(run_dir, OmegaConf.to_container(saved, resolve=True))
-    for override in HydraConfig.get().overrides.task:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key != "model.path":
-            OmegaConf.update(saved, key, OmegaConf.select(cfg, key), merge=False)
+    chosen = selection.selection(run_dir, selection.run_config(run_dir))  # as the run selected: its own eval.*
+    saved = saved_config(run_dir / ".hydra" / "config.yaml", cfg, list(HydraConfig.get().overrides.task),
+                         keep=lambda key: key == "model.path")
     saved.model.path = chosen["path"]  # logger.mode stays the run's unless overridden: eval logs where it logged
     return saved, chosen
 
 
 def _log_wandb(cfg, scores: dict, table: dict, k: int, out: Path, scored: Path | None, selected: dict | None) -> None:
-    """Online, a scored run's results go into its own wandb run (resumed by id); otherwise (offline,
-    or a model that is not a run) into a run of their own, job_type eval, in eval.py's directory."""
+    """Online, a scored run's results go into its own wandb run (resumed by id) if it trained online;
+    otherwise (offline, a run trained offline, or a model that is not a run) into a run of their own,
+    job_type eval, in eval.py's directory."""
     import os
 
     from pace.logger import resolve_wandb_mode
@@ -147,8 +146,9 @@ def _log_wandb(cfg, scores: dict, table: dict, k: int, out: Path, scored: Path |
     values = {f"eval/{name}/mean@{k}": v for name, v in scores.items()}
     if selected is not None:
         values.update({"eval/version": selected["version"], "eval/k": k, "eval/val_k": selected["val_k"]})
-    run_id = selection.wandb_id(scored) if scored is not None else None
-    if mode == "online" and run_id is not None:
+    trained = selection.wandb_run(scored) if scored is not None else None
+    run_id = trained and trained["id"]
+    if mode == "online" and trained is not None and trained["mode"] == "online":  # a run trained offline is not on the server
         run = wandb.init(id=run_id, resume="must", project=cfg.logger.project, dir=str(out))
         run.summary.update(values)
         run.finish()

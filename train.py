@@ -286,7 +286,9 @@ def run(cfg: DictConfig) -> None:
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:
-            validations = Validations(rollout, best, cfg.eval.val_k or cfg.eval.k, cfg.trainer.steps)
+            from pace.selection import val_k
+
+            validations = Validations(rollout, best, val_k(cfg), cfg.trainer.steps)
             checkpointer.on_saved = best.saved  # a checkpoint records the best: what its resume needs
         state = ckpt.load_state(checkpoint) if checkpoint is not None else None
         logger = RunLogger(cfg, run_dir, config, group=default_group(cfg), resume=state and state["logger"])
@@ -306,7 +308,8 @@ def run(cfg: DictConfig) -> None:
     def publish(version: int) -> None:
         """Every rank: the engines load θ_version, and a copy of it is kept for `<run>/best` if the
         engines validate it and no host copy reaches the validation (nccl, gloo, ipc)."""
-        validation.publish(sync, version, best, rollout, control.decide, keep=cfg.eval.every > 0)
+        validation.publish(sync, version, best, rollout, control.decide, keep=cfg.eval.every > 0,
+                           within=cfg.eval.best_within)
 
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)
@@ -411,6 +414,7 @@ def run(cfg: DictConfig) -> None:
                        "checkpoint": str(saved or checkpointer.last) if (saved or checkpointer.last) else None,
                        "resumed_from": str(checkpoint) if checkpoint is not None else None}
             if best is not None:
+                best.close()  # candidates of validations that will not come (a resume redoes them)
                 summary.update(best.summary())
             logger.close(pool.remaining() if saved is None else [], summary)
             engine_lib.shutdown(llm, timeout=2.0)  # deaf to SIGTERM (pace/signals.py): killed after 2 s

@@ -9,9 +9,9 @@
 Writes into --out, as PNG and PDF: validation (Figure 1), stalek (Figure 3), benchmarks (Figure 5),
 pace_staleness (Figure 6, --window updates), consumed_staleness (Figure 7), pool_over_time
 (occupancy and PACE's rejections per step), walltime (Figure 8), large_model (Figure 9),
-appendix_b and appendix_c1 (`FIGURES`); val_best.{md,tex} (per method, each run's best in-training
-validation, mean@k of the validation, within --within updates: what selects Table 1's checkpoints,
-not Table 1, which is eval.py's score of them: python -m analysis.table1), numbers.json (every
+appendix_b and appendix_c1 (`FIGURES`); val_best.{md,tex} (per method, the in-training validation,
+mean@k of the validation, of the version each run selected (best.json; with --within, its best
+within --within updates instead): what selects Table 1's checkpoints, not Table 1, which is eval.py's score of them: python -m analysis.table1), numbers.json (every
 number the figures, table and claims use) and, with --report, report.md (with
 --previous, an earlier numbers.json, also how each verdict moved). A run folder's runs.tsv
 (scripts/reproduce_tiny.sh) names runs not measured alone, which claim (e) leaves
@@ -132,8 +132,20 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
 
 
 def best_validation(run: Run, within: int | None):
-    """The validation row with the highest average among versions ≤ ``within`` (earliest on ties)."""
-    val = run.val if within is None else run.val[run.val["version"] <= within]
+    """The validation row of the run's selected version: its summary's `best` (best.json: what Table 1
+    scores) when ``within`` is None, else, and for a run with no summary, the highest average among
+    versions ≤ ``within`` (None: the run's `eval.best_within`), earliest on ties."""
+    val = run.val
+    if val.empty:
+        return None
+    if within is None:
+        chosen = (run.summary.get("best") or {}).get("version")
+        rows = val[val["version"] == chosen] if chosen is not None else val.iloc[:0]
+        if not rows.empty:
+            return rows.iloc[0]
+        within = (run.config.get("eval") or {}).get("best_within")
+    if within is not None:
+        val = val[val["version"] <= within]
     if val.empty:
         return None
     return val.loc[val["val/avg"].idxmax()]
@@ -141,7 +153,8 @@ def best_validation(run: Run, within: int | None):
 
 def val_best_table(runs: list[Run], within: int | None = None) -> tuple[dict[str, dict[str, float]], str, dict]:
     """Per method, the in-training validation (mean@k of `eval.val_k` samples, on the validation's
-    problems) at each run's best validation within ``within`` updates, averaged over seeds; k; and
+    problems) at each run's selected version (``within`` None; else its best validation within
+    ``within`` updates: `best_validation`), averaged over seeds; k; and
     per method the versions and seeds. Not Table 1 (eval.py's scores of those versions:
     analysis/table1.py)."""
     import numpy as np
@@ -203,7 +216,7 @@ def main() -> None:
     ap.add_argument("--project", help="online wandb project (with --group)")
     ap.add_argument("--entity")
     ap.add_argument("--group", help="every run of this wandb group")
-    ap.add_argument("--within", type=int, help="val_best: best validation among versions <= N (default: all)")
+    ap.add_argument("--within", type=int, help="val_best: best validation among versions <= N (default: each run's selection, best.json)")
     ap.add_argument("--window", type=int, default=50, help="Figure 6: training updates drawn (0: all; default 50)")
     ap.add_argument("--window-start", type=int, help="Figure 6: first step of the window (default: the last --window steps)")
     ap.add_argument("--first", type=int, default=300, help="Figure 5: validations of the first N steps (0: all; default 300)")

@@ -107,12 +107,9 @@ def load_local(run_dir: str | Path) -> Run:
 
 
 def _hydra_config(d: Path) -> dict:
-    path = d / ".hydra" / "config.yaml"
-    if not path.exists():
-        return {}
-    from omegaconf import OmegaConf
+    from pace.selection import run_config
 
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return run_config(d) if (d / ".hydra" / "config.yaml").exists() else {}
 
 
 def _unwrap_wandb_config(config: dict) -> dict:

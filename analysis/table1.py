@@ -61,13 +61,14 @@ class Entry:
         return bool((self.config.get("rollout") or {}).get("max_tool_calls"))
 
 
-def local_entry(run_dir: Path, k: int | None = None) -> Entry:
-    """A run folder: its selection (fails in one line if the selected version has no weights) and
-    the score eval.py wrote for that version, if any."""
+def local_entry(run_dir: Path, k: int | None = None, name: str | None = None) -> Entry:
+    """A run folder (made absolute: eval.py runs from the repository): its selection (fails in one
+    line if the selected version has no weights) and the score eval.py wrote for that version, if any."""
+    run_dir = Path(run_dir).resolve()
     cfg = run_config(run_dir)
     chosen = selection(run_dir, cfg)
     k = k or int(cfg["eval"]["k"])
-    entry = Entry(run_dir.name, str(run_dir), cfg, chosen, k)
+    entry = Entry(name or run_dir.name, str(run_dir), cfg, chosen, k)
     path = result_path(run_dir, k)
     if path.is_file():
         result = json.loads(path.read_text())
@@ -115,16 +116,28 @@ def score(entries: list[Entry], out: Path, k: int | None, extra: list[str]) -> N
                              "(score its run folder: python eval.py model.path=<run>)")
     for e in tqdm(todo, desc="eval.py mean@k of the selected checkpoints", disable=not todo):
         cmd = [sys.executable, str(ROOT / "eval.py"), f"model.path={_quoted(e.source)}", "logger.progress=false",
-               f"hydra.run.dir={_quoted(out / 'eval' / e.name)}", *([f"eval.k={k}"] if k else []), *extra]
+               f"hydra.run.dir={_quoted(Path(out).resolve() / 'eval' / e.name)}", *([f"eval.k={k}"] if k else []), *extra]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             lines = [line for line in proc.stderr.strip().splitlines() if "HYDRA_FULL_ERROR" not in line]
             tail = (lines or ["(no output)"])[-1]
             raise SelectionError(f"{e.source}: eval.py failed (exit {proc.returncode}): {tail}")
-        fresh = local_entry(Path(e.source), k)
+        fresh = local_entry(Path(e.source), k, e.name)
         if fresh.scores is None:
             raise SelectionError(f"{e.source}: eval.py wrote no score for θ_{e.selected['version']}")
         e.scores = fresh.scores
+
+
+def run_names(dirs: list[Path]) -> list[str]:
+    """Names that tell runs apart: each folder's path below the folders' common parent (sweeps
+    name their runs alike: `0_seed=0`), its own name for a single run."""
+    dirs = [Path(d).resolve() for d in dirs]
+    if len(dirs) < 2:
+        return [d.name for d in dirs]
+    import os
+
+    common = Path(os.path.commonpath(dirs))
+    return [d.relative_to(common).as_posix() if d != common else d.name for d in dirs]
 
 
 def _quoted(path) -> str:
@@ -245,12 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.group and not args.project:
         ap.error("--group needs --project")
     try:
-        entries = []
+        dirs = []
         for spec in args.specs:
-            dirs = find_run_dirs(spec)
-            if not dirs:
+            found = find_run_dirs(spec)
+            if not found:
                 raise SelectionError(f"{spec}: no run directories (no metrics.jsonl below it)")
-            entries += [local_entry(d, args.k) for d in dirs]
+            dirs += found
+        entries = [local_entry(d, args.k, name) for d, name in zip(dirs, run_names(dirs))]
         if args.group:
             entries += wandb_entries(args.project, args.group, args.entity, args.k)
         if args.no_score:

@@ -41,7 +41,7 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from pace.config import Config, ConfigError
+from pace.config import ConfigError, override_keys, saved_config
 
 STATE_FILE = "run_state.pkl"
 FORMAT = 1
@@ -86,17 +86,13 @@ def run_dir_of(checkpoint: Path) -> Path:
 def resume_config(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
     """The checkpoint's config, with the command line's changes to `RESUMABLE` keys applied.
     Any other override fails, naming it: a resume continues the same experiment."""
-    saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(Path(checkpoint) / "config.yaml"))
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key == "resume":
-            continue
-        if key not in RESUMABLE:
+    for key in override_keys(overrides):
+        if key != "resume" and key not in RESUMABLE:
             raise ConfigError(
                 f"resume: {key} cannot change on resume (the run continues with its checkpoint's config); "
                 f"changeable: {', '.join(RESUMABLE)}"
             )
-        OmegaConf.update(saved, key, OmegaConf.select(cfg, key), merge=False)
+    saved = saved_config(Path(checkpoint) / "config.yaml", cfg, overrides, keep=lambda key: key == "resume")
     saved.resume = str(checkpoint)
     return saved
 

@@ -296,6 +296,24 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+def saved_config(path, cfg: DictConfig, overrides: list[str], keep=lambda key: False) -> DictConfig:
+    """A saved config (a checkpoint's, a run's `.hydra/config.yaml`) under the schema (keys added
+    since it was saved get their defaults), with the values ``cfg`` (this command line's) has for
+    each key ``overrides`` set, except those ``keep(key)`` leaves as saved."""
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    for key in override_keys(overrides):
+        if not keep(key):
+            OmegaConf.update(saved, key, OmegaConf.select(cfg, key), merge=False)
+    return saved
+
+
+def override_keys(overrides: list[str]) -> list[str]:
+    """The keys of command-line overrides (`key=value`, `+key=value`, `~key`)."""
+    return [override.split("=", 1)[0].lstrip("+~") for override in overrides]
+
+
 def register() -> None:
     from hydra.core.config_store import ConfigStore
 

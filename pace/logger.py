@@ -193,6 +193,8 @@ class RunLogger:
         self._rows.extend(group_row(g) for g in remaining if g.fate in (Fate.POOLED, Fate.INFLIGHT))
         self.flush()
         self._metrics.close()
+        if self.run is not None:  # where eval.py puts its scores of this run (pace/selection.py)
+            summary = {**summary, "wandb": {"id": self.run.id, "mode": self.mode}}
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if self.run is not None:
             import wandb

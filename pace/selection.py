@@ -21,7 +21,7 @@ class SelectionError(Exception):
     """A run with no selection, or a selected version without its weights: one line naming both."""
 
 
-def run_dir_of(path: str | Path | None) -> Path | None:
+def run_dir_named(path: str | Path | None) -> Path | None:
     """The run directory ``path`` names (`<run>` or `<run>/best`: a directory with best.json), else None."""
     if path is None:
         return None
@@ -45,10 +45,18 @@ def selection(run_dir: Path, cfg: dict) -> dict:
     if not path.is_file():
         raise SelectionError(f"{run_dir}: no best.json (no in-training validation: eval.every=0, or the run stopped before one)")
     best = json.loads(path.read_text())
-    # θ_v (v > 0) is <run>/best wherever the run folder is now; θ_0 is the model the run started from
+    # θ_v (v > 0) is <run>/best wherever the run folder is now (best.json's `path` is where it was
+    # written: the folder may have moved since); θ_0 is the model the run started from
     where = str(run_dir / "best") if best["version"] != 0 else best.get("path")
     if where is None or not (Path(where) / "config.json").is_file():
         raise SelectionError(f"{run_dir}: the selected version θ_{best['version']} has no checkpoint ({where} is not a model directory)")
+    if best["version"] != 0:
+        from pace.validation import saved_version
+
+        holds = saved_version(where)  # None: written before best/ named its version
+        if holds is not None and holds != best["version"]:  # stopped between the two writes, never resumed
+            raise SelectionError(f"{run_dir}: best.json names θ_{best['version']} but {where} holds θ_{holds} "
+                                 "(the run stopped while replacing its best): resume it, or score another run")
     return {**best, "path": where, "val_k": val_k(cfg), "best_within": cfg.get("eval", {}).get("best_within")}
 
 
@@ -62,7 +70,19 @@ def run_config(run_dir: Path) -> dict:
     return OmegaConf.to_container(OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml"), resolve=True)
 
 
-def wandb_id(run_dir: Path) -> str | None:
-    """The run's wandb id, from its wandb folder (`[offline-]run-<time>-<id>`), if it logged to wandb."""
-    found = sorted((Path(run_dir) / "wandb").glob("*run-*-*"))
-    return found[-1].name.rsplit("-", 1)[1] if found else None
+def wandb_run(run_dir: Path) -> dict | None:
+    """The run's wandb run, {"id", "mode"} (online, offline), if it logged to wandb: as summary.json
+    records it (`RunLogger.close`), else (a run that did not finish) its newest wandb folder,
+    `[offline-]run-<time>-<id>`."""
+    run_dir = Path(run_dir)
+    try:
+        named = json.loads((run_dir / "summary.json").read_text()).get("wandb")
+    except (OSError, ValueError):
+        named = None
+    if named:
+        return named
+    found = [(d.name.removeprefix("offline-"), d.name) for d in (run_dir / "wandb").glob("*run-*-*") if d.is_dir()]
+    if not found:
+        return None
+    _, name = max(found)  # by time: `run-<YYYYmmdd_HHMMSS>-<id>` once the offline- prefix is set apart
+    return {"id": name.rsplit("-", 1)[1], "mode": "offline" if name.startswith("offline-") else "online"}

@@ -32,23 +32,48 @@ def val_metrics(result, k: int) -> dict[str, float]:
     return metrics
 
 
-def save_weights(path: Path, weights: list, model_path: str) -> None:
+VERSION_FILE = "version.json"  # in a saved weights directory: the version it holds, written with the weights
+
+
+def save_weights(path: Path, weights: list, model_path: str, version: int | None = None) -> None:
     """A loadable model directory: ``model_path``'s config and tokenizer files plus ``weights``
-    as one safetensors file. Written beside ``path`` and renamed, so ``path`` is never half-written."""
+    as one safetensors file, and ``version`` in `version.json`. Written beside ``path`` and
+    renamed, so ``path`` is never half-written and says which weights it holds."""
     from safetensors.torch import save_file
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for f in Path(model_path).iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES and f.name != VERSION_FILE:
             shutil.copy2(f, tmp / f.name)
     save_file({name: t.contiguous() for name, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if version is not None:
+        (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
+    install(tmp, path)
+
+
+def install(src: Path, path: Path) -> None:
+    """``src`` becomes ``path``; the directory it replaces waits in `<path>.old` until then (a
+    kill in between leaves it there: `BestCheckpoint.load_state_dict` looks there too)."""
     old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         path.rename(old)
-    tmp.rename(path)
+    src.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def saved_version(path: Path) -> int | None:
+    """The version a weights directory holds (its `version.json`), None if it says none."""
+    try:
+        return int(json.loads((Path(path) / VERSION_FILE).read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class BestCheckpoint:
@@ -64,10 +89,13 @@ class BestCheckpoint:
       rank 0 writes it with `keep_candidate` to `best-candidates/v<N>/`. When θ_v's validation
       arrives, the candidate becomes `best/` (a rename) if it is the new best, else it is deleted.
       Cost: one model-directory write per validated version in the window, while the engines
-      validate (the trainer's next weight update waits for that validation anyway).
+      validate (the next weight update waits for that validation anyway) but between collectives:
+      the next training step waits for the write on every rank (an 8B model: 16 GB, ~16 s at 1 GB/s;
+      `best_copies` in the summary). Candidates left at the end of a run are deleted (`close`).
 
     best.json names the selected version, its average, and `path` (`<run>/best`, or the model on
-    disk for θ_0). Resume: the checkpoint's best must still be on disk. A best replaced after the
+    disk for θ_0); `best/version.json`, written with the weights, the version `best/` holds (a kill
+    between the two writes cannot pass one version's weights off as another's). Resume: the checkpoint's best must still be on disk. A best replaced after the
     newest checkpoint (the run then stopped) would be lost to a resume from that checkpoint, so the
     best a checkpoint recorded is moved to `best.checkpointed/` when replaced, and deleted once a
     newer checkpoint records its successor (`saved`).
@@ -84,11 +112,12 @@ class BestCheckpoint:
         self.history: list[dict] = []  # every validation: version and average
         self.checkpointed: int | None = None  # the best's version as the newest checkpoint recorded it
         self.copies = {"count": 0, "seconds": 0.0}  # candidates written and the time writing them (summary)
+        self.missed: list[int] = []  # new bests whose weights could not be kept (warned)
         # candidates of a run that stopped: their validations are redone (the rollout's schedule)
         shutil.rmtree(self.candidates, ignore_errors=True)
 
     def in_window(self, version: int) -> bool:
-        return self.within is None or version <= self.within
+        return in_window(version, self.within)
 
     def wants(self, version: int) -> bool:
         """Whether θ_version, about to be validated, needs a candidate copy (train.py asks after
@@ -99,13 +128,22 @@ class BestCheckpoint:
         return self.candidates / f"v{version:06d}"
 
     def keep_candidate(self, version: int, weights: list) -> None:
+        """Rank 0, between collectives: a failed write (disk full) is a warning and no candidate
+        (its validation then keeps the previous best), never a rank 0 that alone stops."""
         t0 = time.perf_counter()
-        save_weights(self.candidate(version), weights, self.model_path)
+        try:
+            save_weights(self.candidate(version), weights, self.model_path, version)
+        except OSError as exc:
+            shutil.rmtree(self.candidate(version).with_name(self.candidate(version).name + ".tmp"), ignore_errors=True)
+            warn(f"θ_{version}: its copy for {self.path} could not be written ({exc}): it cannot become the best")
+            return
         self.copies["count"] += 1
         self.copies["seconds"] += time.perf_counter() - t0
 
     def offer(self, result, avg: float) -> bool:
-        """Record a validation; keep its weights if it is the new best. True if it is."""
+        """Record a validation; keep its weights if it is the new best. True if it is. A new best
+        whose weights cannot be kept (no copy, or a failed write) is a warning, recorded in the
+        summary's `best_missed`; the previous best stays."""
         self.history.append({"version": result.version, "val/avg": avg})
         v = result.version
         try:
@@ -113,35 +151,57 @@ class BestCheckpoint:
                 return False
             if v == 0:
                 path = self.model_path
-            elif result.weights is not None or self.candidate(v).is_dir():
-                self._set_aside()
-                if result.weights is not None:
-                    save_weights(self.path, result.weights, self.model_path)
-                else:
-                    shutil.rmtree(self.path, ignore_errors=True)
-                    self.candidate(v).rename(self.path)
+            elif self._replace(v, result.weights):
                 path = str(self.path)
-            else:  # train.py writes a candidate for every validated version in the window
-                raise RuntimeError(f"validation of θ_{v}: no copy of its weights to keep as the best "
-                                   f"(neither carried by the validation nor in {self.candidate(v)})")
+            else:
+                self.missed.append(v)
+                return False
             self.best = {"version": v, "val/avg": avg, "path": path}
             self._write()
             return True
         finally:
             self._drop_candidates(upto=v)
 
-    def _set_aside(self) -> None:
+    def _replace(self, v: int, weights: list | None) -> bool:
+        """`best/` := θ_v (``weights``, else its candidate), with the version inside the directory."""
+        kept = "the previous best stays" if self.best is None else f"θ_{self.best['version']} stays the best"
+        if weights is None and not self.candidate(v).is_dir():  # train.py copies every validated version in the window
+            warn(f"validation of θ_{v}: no copy of its weights (neither carried by the validation nor in "
+                 f"{self.candidate(v)}): not kept, {kept}")
+            return False
+        set_aside = self._set_aside()
+        try:
+            if weights is not None:
+                save_weights(self.path, weights, self.model_path, v)
+            else:
+                install(self.candidate(v), self.path)
+        except OSError as exc:
+            warn(f"validation of θ_{v}: its weights could not be written to {self.path} ({exc}): not kept, {kept}")
+            if set_aside and not self.path.exists():
+                self.kept.rename(self.path)
+            return False
+        return True
+
+    def _set_aside(self) -> bool:
         """Before `best/` is replaced: the newest checkpoint's best is moved aside (a resume from that
-        checkpoint needs it); any other is deleted."""
+        checkpoint needs it); any other is deleted. True if moved."""
         if self.best is not None and self.best["version"] == self.checkpointed and self.path.is_dir():
             shutil.rmtree(self.kept, ignore_errors=True)
             self.path.rename(self.kept)
+            return True
+        return False
 
     def _drop_candidates(self, upto: int) -> None:
         if self.candidates.is_dir():
             for d in self.candidates.iterdir():
-                if d.name.startswith("v") and d.name[1:].split(".")[0].isdigit() and int(d.name[1:].split(".")[0]) <= upto:
+                v = d.name[1:].split(".")[0]
+                if d.name.startswith("v") and v.isdigit() and int(v) <= upto:
                     shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        """End of the run, however it ends: candidates left are dropped (a resume redoes their
+        validations and copies), with their folder."""
+        shutil.rmtree(self.candidates, ignore_errors=True)
 
     def _write(self) -> None:
         (self.run_dir / "best.json").write_text(json.dumps(self.best, indent=1))
@@ -153,51 +213,72 @@ class BestCheckpoint:
         shutil.rmtree(self.kept, ignore_errors=True)
 
     def summary(self) -> dict:
-        return {"best": self.best, "best_within": self.within, "validations": self.history, "best_copies": self.copies}
+        return {"best": self.best, "best_within": self.within, "validations": self.history, "best_copies": self.copies,
+                "best_missed": self.missed}
 
     def state_dict(self) -> dict:
         return {"best": self.best, "history": list(self.history)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume: the checkpoint's best, with its weights where they are now (`best/`, or set aside
-        in `best.checkpointed/` when a later validation of the run that stopped replaced it)."""
+        """Resume: the checkpoint's best, with its weights wherever a run that stopped left them
+        (`best/`; set aside in `best.checkpointed/` when a later validation replaced it; `best.old/`
+        when killed while replacing it), found by the version each directory holds."""
         self.best, self.history = state["best"], list(state["history"])
         self.checkpointed = None if self.best is None else self.best["version"]
-        on_disk = self._on_disk()
-        if self.best is None or self.best["version"] == 0:
-            shutil.rmtree(self.path, ignore_errors=True)  # a best of the run that stopped, after the checkpoint
-        elif on_disk != self.best["version"]:
-            if not self.kept.is_dir():  # resumed from a checkpoint older than the newest
+        old = self.path.with_name(self.path.name + ".old")
+        places = [self.path, self.kept, old]
+        held = {p: self._held(p) for p in places if p.is_dir()}
+        if self.best is not None and self.best["version"] != 0:
+            v = self.best["version"]
+            found = next((p for p, hv in held.items() if hv == v), None)
+            if found is None:  # resumed from a checkpoint older than the newest
                 from pace.config import ConfigError
 
-                raise ConfigError(f"resume: the checkpoint's best θ_{self.best['version']} is neither in {self.path} "
-                                  f"(holds θ_{on_disk}) nor in {self.kept}: resume from the run's newest checkpoint")
-            shutil.rmtree(self.path, ignore_errors=True)
-            self.kept.rename(self.path)
-        shutil.rmtree(self.kept, ignore_errors=True)
+                raise ConfigError(f"resume: the checkpoint's best θ_{v} is neither in {self.path} (holds θ_{held.get(self.path)}) "
+                                  f"nor in {self.kept.name}/ or {old.name}/: resume from the run's newest checkpoint")
+            if found != self.path:
+                shutil.rmtree(self.path, ignore_errors=True)
+                found.rename(self.path)
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)  # a best of the run that stopped, after the checkpoint
+        for p in (self.kept, old, self.path.with_name(self.path.name + ".tmp")):
+            shutil.rmtree(p, ignore_errors=True)
         if self.best is not None:
             self._write()
         else:
             (self.run_dir / "best.json").unlink(missing_ok=True)
 
-    def _on_disk(self) -> int | None:
-        """The version `best/` holds, as best.json (written right after it) says."""
-        try:
-            return json.loads((self.run_dir / "best.json").read_text())["version"] if self.path.is_dir() else None
-        except (OSError, ValueError, KeyError):
-            return None
+    def _held(self, path: Path) -> int | None:
+        """The version a best directory holds: its `version.json`; for `best/` of a run written
+        before directories named their version, best.json's."""
+        v = saved_version(path)
+        if v is None and path == self.path:
+            try:
+                return json.loads((self.run_dir / "best.json").read_text())["version"]
+            except (OSError, ValueError, KeyError):
+                return None
+        return v
 
 
-def publish(sync, version: int, best: BestCheckpoint | None, rollout, decide=lambda flag: flag, keep: bool = True) -> None:
+def in_window(version: int, within: int | None) -> bool:
+    """Whether θ_version can be selected (`eval.best_within`; None: the whole run)."""
+    return within is None or version <= within
+
+
+def publish(sync, version: int, best: BestCheckpoint | None, rollout, decide=lambda flag: flag, keep: bool = True,
+            within: int | None = None) -> None:
     """Every rank: the engines load θ_version (`WeightSync.publish`). With a blocking transfer (nccl,
     gloo, ipc: no host copy of θ reaches the validation), if the engines started validating θ_version
     and `best` wants it, every rank gathers θ_version (a collective) and rank 0 keeps it as a candidate.
     ``best``, ``rollout``: rank 0's (None elsewhere); ``decide``: rank 0's flag on every rank
-    (pace/control.py); ``keep``: validation is on (`eval.every` > 0), on every rank."""
+    (pace/control.py, a broadcast); ``keep``: validation is on (`eval.every` > 0) and ``within``:
+    `eval.best_within`, on every rank, so versions that cannot be selected skip that broadcast."""
     from pace.rollout import transfer
 
     sync.publish(version)
     if not keep or sync.backend == transfer.BACKEND:  # shm: the validation carries θ (see BestCheckpoint)
+        return
+    if version == 0 or not in_window(version, within):  # no rank would gather it
         return
     wanted = best is not None and rollout.val_started == version and best.wants(version)
     if decide(wanted):

@@ -189,7 +189,8 @@ def test_several_child_engines_take_weights_over_gloo_and_stay_on_policy(tiny_mo
     best = load_file(tmp_path / "best" / "model.safetensors")
     saved = load_file(tmp_path / "checkpoints" / "step-000002" / "model" / "model.safetensors")
     assert best.keys() == saved.keys() and all(torch.equal(best[k], saved[k]) for k in best)
-    assert not any((tmp_path / "best-candidates").iterdir())  # θ_2's copy became best/; none other was made
+    assert json.loads((tmp_path / "best" / "version.json").read_text()) == {"version": 2}  # what best/ holds, in it
+    assert not (tmp_path / "best-candidates").exists()  # θ_2's copy became best/; none other left at the end
     assert summary["best_copies"]["count"] == 1  # θ_3 is past eval.best_within: not copied
 
 

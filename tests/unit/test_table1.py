@@ -135,3 +135,32 @@ def test_from_wandb_the_scores_come_from_each_runs_summary(tmp_path):
     assert "(mean@4) with the best average within 300 updates" in md and "PACE: θ_30 (seed 0)" in md
     with pytest.raises(table1.SelectionError, match="wandb:pace/c: θ_40 has no eval.py score"):
         table1.score(entries, tmp_path, None, [])
+
+
+def test_relative_paths_and_runs_of_the_same_name_in_two_sweeps(tmp_path, monkeypatch):
+    """Run folders and --out given relative to the caller's directory reach eval.py (run from the
+    repository) as the same folders; `0_seed=0` of two sweeps get their own eval.py directories
+    and their own names in the table."""
+    from types import SimpleNamespace
+
+    a = make_run(tmp_path / "sweeps" / "sync", "0_seed=0", "sync", 0, 20, None)
+    b = make_run(tmp_path / "sweeps" / "pace", "0_seed=0", "pace", 0, 30, None)
+    calls = []
+
+    def fake_eval(cmd, cwd, **kw):  # eval.py, as it resolves paths: against its own cwd
+        args = dict(c.split("=", 1) for c in cmd[2:] if "=" in c)
+        run, hydra_dir = (Path(cwd) / args[key].strip("'") for key in ("model.path", "hydra.run.dir"))
+        calls.append((run, hydra_dir))
+        version = json.loads((run / "best.json").read_text())["version"]
+        (run / "eval").mkdir()
+        (run / "eval" / "mean@4.json").write_text(json.dumps({"selected": {"version": version}, "mean@4": {
+            "arith_l1": version / 100, "arith_l2": version / 100, "avg": version / 100}}))
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(table1.subprocess, "run", fake_eval)
+    monkeypatch.chdir(tmp_path)
+    table1.main(["sweeps", "--out", "out"])
+    assert sorted(run for run, _ in calls) == [b, a]
+    assert len({h for _, h in calls}) == 2 and all(h.is_relative_to(tmp_path / "out") for _, h in calls)
+    csv = (tmp_path / "out" / "table1.csv").read_text()
+    assert "sync/0_seed=0:20" in csv and "pace/0_seed=0:30" in csv

@@ -116,25 +116,36 @@ def test_a_blocking_backend_keeps_each_validated_version_until_its_validation_de
     rollout = SimpleNamespace(val_started=None, next=10)
     sync, best = _Sync(rollout, every=10), BestCheckpoint(run, str(model_dir), within=40)
     avg = {10: 0.5, 20: 0.4, 30: 0.7, 40: 0.6, 50: 0.99}  # 50 is past N = 40
+    decided = []
+
+    def decide(flag):  # rank 0's flag on every rank: a collective (pace/control.py)
+        decided.append(flag)
+        return flag
+
     for v in range(1, 51):
-        publish(sync, v, best, rollout)
+        publish(sync, v, best, rollout, decide, within=40)
         if v in avg:  # the validation arrives later than the copy (here: right after)
             assert best.candidate(v).is_dir() == (v <= 40)
             best.offer(_validation(v, {}), avg[v])
             assert not best.candidates.exists() or not any(best.candidates.iterdir())
     assert sync.gathered == [10, 20, 30, 40]  # the validated versions in the window, nothing else
+    assert len(decided) == 40  # every rank knows the window: no collective past it (θ_41 … θ_50)
     assert best.best == {"version": 30, "val/avg": 0.7, "path": str(run / "best")}
     assert json.loads((run / "best.json").read_text()) == best.best
     assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 30.0))
-    assert sorted(p.name for p in run.iterdir()) == ["best", "best-candidates", "best.json"]
     assert best.summary()["best_copies"]["count"] == 4
+    best.keep_candidate(60, _weights(60.0))  # the run stops before θ_60's validation
+    best.close()  # train.py's `finally`, however the run ends: no candidate (a full model each) is left
+    assert sorted(p.name for p in run.iterdir()) == ["best", "best.json"]
     # other ranks: no best, no rollout; they gather when rank 0 decides so (pace/control.py)
     other = _Sync(None, every=10)
     publish(other, 60, None, None, decide=lambda flag: True)
     assert other.gathered == [60]
 
 
-def test_shm_needs_no_candidate_and_a_validation_without_weights_fails_loudly(tmp_path, model_dir):
+def test_shm_needs_no_candidate_and_a_validation_without_weights_keeps_the_previous_best(tmp_path, model_dir, capsys):
+    """A new best with no copy of its weights is a warning and no new best (a raise would stop rank 0
+    alone, between collectives), recorded in the summary."""
     from pace.validation import publish
 
     rollout = SimpleNamespace(val_started=None, next=10)
@@ -143,8 +154,38 @@ def test_shm_needs_no_candidate_and_a_validation_without_weights_fails_loudly(tm
     best = BestCheckpoint(tmp_path, str(model_dir), within=None)
     publish(sync, 10, best, rollout)
     assert sync.gathered == [] and not best.candidate(10).exists()  # θ_10 comes with its validation
-    with pytest.raises(RuntimeError, match="validation of θ_20: no copy of its weights"):
-        best.offer(_validation(20, {}), 0.5)
+    assert best.offer(_validation(10, {}, _weights(10.0)), 0.4)
+    assert best.offer(_validation(20, {}), 0.5) is False
+    assert "validation of θ_20: no copy of its weights" in capsys.readouterr().err
+    assert best.best["version"] == 10 and json.loads((tmp_path / "best.json").read_text())["version"] == 10
+    assert best.summary()["best_missed"] == [20]
+
+
+def test_a_failed_write_is_a_warning_and_the_previous_best_stays(tmp_path, model_dir, monkeypatch, capsys):
+    """Disk full while writing a candidate or the new best: one warning each, θ_10 stays (its
+    weights too, even when it had been set aside for the checkpoint)."""
+    from safetensors.torch import load_file
+
+    from pace import validation
+
+    run = tmp_path / "run"
+    best = BestCheckpoint(run, str(model_dir), within=None)
+    best.offer(_validation(10, {}, _weights(10.0)), 0.5)
+    best.saved(10)  # θ_10 is the checkpoint's: replacing it sets it aside first
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    best.keep_candidate(20, _weights(20.0))
+    assert "θ_20: its copy" in capsys.readouterr().err
+    assert not best.candidates.exists() or not any(best.candidates.iterdir())
+    assert best.offer(_validation(20, {}), 0.6) is False
+    assert best.offer(_validation(30, {}, _weights(30.0)), 0.7) is False
+    assert "validation of θ_30: its weights could not be written" in capsys.readouterr().err
+    assert best.best["version"] == 10 and best.summary()["best_missed"] == [20, 30] and best.copies["count"] == 0
+    assert validation.saved_version(run / "best") == 10
+    assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
 
 
 def test_resume_finds_the_checkpoints_best_even_after_a_later_one_replaced_it(tmp_path, model_dir):
@@ -177,6 +218,69 @@ def test_resume_finds_the_checkpoints_best_even_after_a_later_one_replaced_it(tm
 
     with pytest.raises(ConfigError, match="resume: the checkpoint's best θ_10 is neither in"):
         BestCheckpoint(run, str(model_dir), within=None).load_state_dict(state)
+
+
+class _Killed(BaseException):
+    """A kill at one line: nothing after it runs (not even `except Exception`)."""
+
+
+def _killed_at(monkeypatch, target, name):
+    def stop(*a, **k):
+        raise _Killed
+
+    monkeypatch.setattr(target, name, stop)
+
+
+def test_a_kill_between_the_new_best_and_best_json_resumes_with_the_checkpoints_weights(tmp_path, model_dir, monkeypatch):
+    """θ_10 is the checkpoint's best; θ_30's candidate becomes best/ and the run is killed before
+    best.json says so. The resume must find θ_10's weights (set aside), not keep θ_30's under θ_10's name."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    best = BestCheckpoint(run, str(model_dir), within=None)
+    best.keep_candidate(10, _weights(10.0))
+    best.offer(_validation(10, {}), 0.5)
+    state = best.state_dict()
+    best.saved(20)
+    best.keep_candidate(30, _weights(30.0))
+    with monkeypatch.context() as m:
+        _killed_at(m, BestCheckpoint, "_write")
+        with pytest.raises(_Killed):
+            best.offer(_validation(30, {}), 0.7)
+    resumed = BestCheckpoint(run, str(model_dir), within=None)
+    resumed.load_state_dict(state)
+    assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
+    assert json.loads((run / "best.json").read_text())["version"] == 10
+    assert sorted(p.name for p in run.iterdir()) == ["best", "best.json"]
+
+
+def test_a_kill_inside_save_weights_resumes_with_the_previous_best(tmp_path, model_dir, monkeypatch):
+    """Killed between `best/` → `best.old` and `best.tmp` → `best/`: no best/ is left; the resume
+    takes the checkpoint's best back from best.old and leaves no stray directory."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    best = BestCheckpoint(run, str(model_dir), within=None)
+    best.offer(_validation(10, {}, _weights(10.0)), 0.5)
+    state = best.state_dict()  # not `saved`: θ_10 is replaced in place, not set aside
+    rename = Path.rename
+
+    def rename_or_kill(self, target):
+        if self.name == "best.tmp":
+            raise _Killed
+        return rename(self, target)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "rename", rename_or_kill)
+        with pytest.raises(_Killed):
+            best.offer(_validation(30, {}, _weights(30.0)), 0.7)
+    assert not (run / "best").exists() and (run / "best.old").is_dir()
+    resumed = BestCheckpoint(run, str(model_dir), within=None)
+    resumed.load_state_dict(state)
+    assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
+    assert sorted(p.name for p in run.iterdir()) == ["best", "best.json"]
 
 
 # ---------------------------------------------------------------- EvalRun with malformed outputs
