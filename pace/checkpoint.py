@@ -53,6 +53,11 @@ RESUMABLE = (
     "rollout.resume_inflight", "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps", "trainer.dist_timeout_s", "trainer.control_timeout_s",
 )
 
+# Config keys added after checkpoints existed -> the value that reproduces a run from before them.
+# data.dedup: a run from before it sampled every row of the file (its sampler's position indexes
+# that list, and returned prompt ids may be rows the deduplicated list does not have).
+KEYS_ADDED = {"data.dedup": False}
+
 
 def step_dir(run_dir: Path, version: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{version:06d}"
@@ -86,7 +91,13 @@ def run_dir_of(checkpoint: Path) -> Path:
 def resume_config(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
     """The checkpoint's config, with the command line's changes to `RESUMABLE` keys applied.
     Any other override fails, naming it: a resume continues the same experiment."""
-    saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(Path(checkpoint) / "config.yaml"))
+    written = OmegaConf.load(Path(checkpoint) / "config.yaml")
+    saved = OmegaConf.merge(OmegaConf.structured(Config), written)
+    # Keys added after checkpoints were written, whose schema default changes what the run does:
+    # a checkpoint without one keeps the behaviour it was written under.
+    for key, before in KEYS_ADDED.items():
+        if OmegaConf.select(written, key, default=None) is None:
+            OmegaConf.update(saved, key, before, merge=False)
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if key == "resume":

@@ -257,6 +257,22 @@ def test_resume_runs_with_the_checkpoints_config_and_only_resumable_changes(tmp_
         resume_config(compose_cfg(["+exp=async_tiny"]), ckpt, [f"resume={ckpt}", "+exp=async_tiny"])
 
 
+def test_resume_of_a_checkpoint_saved_before_data_dedup_keeps_every_row(tmp_path: Path) -> None:
+    """A checkpoint whose config predates `data.dedup` sampled from every row of the file: its
+    sampler's position indexes that list, so the resume must load the same one (dedup false),
+    not the schema's default (true)."""
+    from pace.checkpoint import resume_config
+
+    ckpt = _saved_config(tmp_path, ["+exp=pace_tiny"])
+    old = OmegaConf.load(ckpt / "config.yaml")
+    del old.data["dedup"]
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(old))
+    cfg = resume_config(compose_cfg([]), ckpt, [f"resume={ckpt}"])
+    assert cfg.data.dedup is False
+    ckpt = _saved_config(tmp_path / "new", ["+exp=pace_tiny"])  # saved with the key: kept as saved
+    assert resume_config(compose_cfg([]), ckpt, [f"resume={ckpt}"]).data.dedup is True
+
+
 def test_resume_finds_the_newest_checkpoint_and_names_a_bad_path(tmp_path: Path) -> None:
     from pace.checkpoint import STATE_FILE, resolve
 
