@@ -111,7 +111,7 @@ def stalek_curves(runs: list[Run], early: float = 0.5, window: int = 10):
     groups = {k: v for k, v in by_label(runs).items() if k.startswith("Stale-") or k == "Sync"}
     if not any(k.startswith("Stale-") for k in groups):
         return None
-    name = figure_sets(runs)[0] if any(not r.val.empty for r in runs) else None
+    name = next(iter(figure_sets(runs)), None)  # None: no validation set logged
     fig, (ax, val) = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, (label, rs) in enumerate(groups.items()):
         c = "black" if label == "Sync" else plt.get_cmap("viridis")(i / max(len(groups), 2))  # the reference in black

@@ -51,8 +51,13 @@ def val_curve(run: Run, name: str, first: int | None = None) -> pd.Series | None
     return s if first is None else s[s.index <= first]
 
 
-def _val_panel(ax, groups: dict[str, list[Run]], name: str, first: int | None = None, legend: bool = True) -> None:
-    """One benchmark's validation against steps, one curve per method; says so when not logged."""
+def _val_panel(ax, groups: dict[str, list[Run]], name: str | None, first: int | None = None, legend: bool = True) -> None:
+    """One benchmark's validation against steps, one curve per method; says so when not logged
+    (``name`` None: the runs logged no validation set)."""
+    if name is None:
+        ax.set(title="validation", xlabel="training step")
+        ax.text(0.5, 0.5, "no validations logged", ha="center", va="center", transform=ax.transAxes)
+        return
     for i, (label, rs) in enumerate(groups.items()):
         curves = [c for c in (val_curve(r, name, first) for r in rs) if c is not None and not c.empty]
         if curves:
@@ -78,6 +83,8 @@ def benchmark_curves(runs: list[Run], first: int | None = 300):
     if not groups:
         return None
     names = figure_sets(runs)
+    if not names:  # validated, but no set's mean@k logged
+        return None
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.6), squeeze=False)
     for ax, name in zip(axes[0], names):
         _val_panel(ax, groups, name, first)
@@ -153,10 +160,12 @@ def large_model(runs: list[Run], hint: str = LARGE, window: int = 10):
     groups = {k: v for k, v in by_label(rs).items() if any(not r.steps.empty for r in v)}
     if not groups:
         return None
-    name = figure_sets(rs)[0]
+    name = next(iter(figure_sets(rs)), None)  # None: no validation logged (the time per step still draws)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     _val_panel(a, {k: [r for r in v if not r.val.empty] for k, v in groups.items()}, name)
-    a.set(title=f"{display(name)} validation", ylabel=f"validation mean@{_k(rs)}")
+    if name is not None:
+        a.set(title=f"{display(name)} validation")
+    a.set(ylabel=f"validation mean@{_k(rs)}")
     for i, (label, group) in enumerate(groups.items()):
         _band(b, [smooth(r.steps["time/step"], window) for r in group], label, color(label, i))
     b.set(title="Time per training step", xlabel="training step", ylabel=f"seconds per step ({window}-step mean)")

@@ -176,6 +176,24 @@ def test_the_tiny_lab_draws_its_analogues_from_one_model():
     assert [t for t, _ in panels(build.draw("benchmarks", runs))] == ["arith_l3", "arith_l4"]
 
 
+def test_runs_without_validation_or_figure_sets_draw_what_they_have(tmp_path):
+    """Runs with no validation and no `eval.figure_sets` (eval.every 0): Figure 9 draws its time per
+    step with the validation panel saying none was logged; the validation figures are skipped."""
+    runs = [run(label, MODEL_30B) for label in ("Async", "PACE")]
+    for r in runs:
+        r.val, r.config["eval"] = pd.DataFrame(), {}
+    fig = build.draw("large_model", runs)
+    assert panels(fig) == [("validation", []), ("Time per training step", ["Async", "PACE"])]
+    assert [t.get_text() for t in fig.axes[0].texts] == ["no validations logged"]
+    numbers = build.build(runs, tmp_path)
+    assert {"validation", "benchmarks", "appendix_b"} <= set(numbers["skipped"]) and "large_model" in numbers["figures"]
+    only_avg = [run(label, MODEL_30B, sets=[]) for label in ("Stale-1", "Sync")]  # val/avg but no set's mean@k
+    for r in only_avg:
+        r.config["eval"] = {}
+    assert build.draw("benchmarks", only_avg) is None
+    assert panels(build.draw("stalek", only_avg))[1] == ("validation", [])
+
+
 def test_build_writes_every_figure(tmp_path):
     numbers = build.build(paper_runs(), tmp_path)
     assert numbers["figures"] == list(build.FIGURES) and not numbers["skipped"]
