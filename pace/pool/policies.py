@@ -180,7 +180,7 @@ POLICIES: dict[str, type[PoolPolicy]] = {
 
 def build_policy(cfg) -> PoolPolicy:
     policy = _build_policy(cfg)
-    share = getattr(cfg.pool, "record_effective", 0.0)  # absent in configs saved before it
+    share = cfg.pool.record_effective  # a resumed run's config is merged with the schema: always there
     if share > 0 and not (cfg.pool.name == "pace" and cfg.pace.score == "effective"):
         return RecordingPolicy(policy, gamma=cfg.pace.gamma, score_window=cfg.pace.score_window, share=share)
     return policy
@@ -199,5 +199,5 @@ def _build_policy(cfg) -> PoolPolicy:
         p = cfg.pace
         target = cfg.data.batch_prompts if p.target_pool is None else p.target_pool
         return PacePolicy(**common, score=p.score, gamma=p.gamma, target_pool=target, ema=p.ema,
-                          score_window=p.score_window, selection=getattr(p, "selection", "pool"))  # absent in configs saved before it
+                          score_window=p.score_window, selection=p.selection)
     return POLICIES[name](**common)
