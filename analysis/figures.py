@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.runs import Run  # noqa: E402
+from pace.config import target_pool  # noqa: E402
 
 ORDER = ["Sync", "Async", "PACE", "PACE (raw)", "PACE (gen)", "M2PO"]  # then the rest, sorted
 MAIN = ("Sync", "Async", "PACE")
@@ -232,8 +233,7 @@ def pool_over_time(runs: list[Run], labels=("Async", "PACE"), window: int = 5):
         c = color(label, i)
         _band(a, [r.steps["pool/occupancy"] for r in rs], label, c)
         if label.startswith("PACE"):
-            cfg = rs[0].config
-            target = (cfg.get("pace") or {}).get("target_pool") or (cfg.get("data") or {}).get("batch_prompts")
+            target = target_pool(rs[0].config)
             if target:
                 a.axhline(target, color=c, linestyle="--", linewidth=1, label=f"{label} target n* = {target}")
             if "pool/rejected" in rs[0].steps:

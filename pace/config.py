@@ -8,6 +8,7 @@ transformers and accelerate are installed).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -296,6 +297,17 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+def target_pool(cfg) -> int | None:
+    """n*, the pool size PACE steers to: `pace.target_pool`, null = B (`data.batch_prompts`). Takes a
+    composed config, its object form (the simulator's) or a run's logged one (a plain dict); None
+    when the latter lacks both keys."""
+    def get(node, key):
+        return node.get(key) if isinstance(node, Mapping) else getattr(node, key, None)
+
+    n = get(get(cfg, "pace") or {}, "target_pool")
+    return get(get(cfg, "data") or {}, "batch_prompts") if n is None else n
+
+
 def register() -> None:
     from hydra.core.config_store import ConfigStore
 
@@ -395,7 +407,7 @@ def validate(cfg: DictConfig) -> None:
     cap = cfg.pool.capacity
     if cap is not None and cap < cfg.data.batch_prompts:
         raise ConfigError(f"pool.capacity={cap} is below data.batch_prompts={cfg.data.batch_prompts}: a batch could never form")
-    if cap is not None and cfg.pool.name == "pace" and (cfg.pace.target_pool or cfg.data.batch_prompts) > cap:
+    if cap is not None and cfg.pool.name == "pace" and target_pool(cfg) > cap:
         raise ConfigError(f"pace.target_pool={cfg.pace.target_pool} is above pool.capacity={cap}: the target is unreachable")
     if not 0 <= cfg.pool.record_effective <= 1:
         raise ConfigError(f"pool.record_effective must be in [0, 1] (a share of groups; 0: off), got {cfg.pool.record_effective}")

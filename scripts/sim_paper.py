@@ -49,6 +49,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from pace.config import register as register_run  # noqa: E402
+from pace.config import target_pool  # noqa: E402
 from pace.records import Fate  # noqa: E402
 from pace.sim.config import register, validate_sim  # noqa: E402
 from pace.sim.run import Simulation  # noqa: E402
@@ -105,7 +106,7 @@ def simulate(cfg, run_dir: Path | None = None) -> dict:
              "rollout/tokens_per_s", "train/response_len")}
     mean["rejecting_steps"] = float(np.mean([r.get("pool/rejected", 0) > 0 for r in rows[WARMUP:]]))
     mean["pool_max"] = float(max(r.get("pool/occupancy", 0) for r in rows[WARMUP:]))
-    mean["n_star"] = cfg.pace.target_pool or cfg.data.batch_prompts
+    mean["n_star"] = target_pool(cfg)
     mean["hours_per_300"] = total_s / len(rows) * 300 / 3600  # the run's simulated wall time, per 300 steps
     k = np.array(consumed)
     mean["dist"] = {name: [float(x) for x in np.percentile(k[:, i], [50, 90, 99])] + [float(k[:, i].max())]

@@ -323,3 +323,20 @@ def test_the_30b_a3b_presets_train_on_a_node_of_8_with_engines_on_another() -> N
     assert OmegaConf.load(CONF / "accelerate" / "fsdp_8gpu.yaml").num_processes == 8
     docs = (CONF.parent / "README.md").read_text() + (CONF.parent / "docs" / "gpu.md").read_text()
     assert "TP=2 ACCELERATE_CONFIG=conf/accelerate/fsdp_8gpu.yaml" in docs
+
+
+def test_target_pool_is_n_star_with_null_meaning_b():
+    """n* in one place (`pace.config.target_pool`): the policy, validation, the simulator's report and
+    the pool figure read it from a composed config or from a run's logged config (a plain dict)."""
+    from pace.config import target_pool
+    from pace.pool import build_policy
+
+    cfg = compose_cfg(["+exp=pace_tiny", "data.batch_prompts=4"])
+    assert cfg.pace.target_pool is None and target_pool(cfg) == 4
+    assert build_policy(cfg).controller.target == 4
+    cfg.pace.target_pool = 12
+    assert target_pool(cfg) == 12 and build_policy(cfg).controller.target == 12
+    assert target_pool(OmegaConf.to_object(cfg)) == 12  # the simulator builds its policy from the object
+    assert target_pool({"pace": {"target_pool": None}, "data": {"batch_prompts": 32}}) == 32
+    assert target_pool({"pace": {"target_pool": 0}, "data": {"batch_prompts": 32}}) == 0  # a value, not "unset"
+    assert target_pool({"data": {}}) is None  # a logged config without the keys: unknown
