@@ -198,3 +198,16 @@ def test_build_writes_every_figure(tmp_path):
     numbers = build.build(paper_runs(), tmp_path)
     assert numbers["figures"] == list(build.FIGURES) and not numbers["skipped"]
     assert all((tmp_path / f"{name}.png").is_file() for name in build.FIGURES)
+
+
+def test_trajectories_and_figures_import_one_way():
+    """figures draws Figure 3 with trajectories' validation helpers; trajectories draws with the shared
+    band and colours (analysis/curves.py), not with figures: no import cycle, no private names."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, analysis.trajectories; print('analysis.figures' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "False"
