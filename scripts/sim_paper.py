@@ -39,7 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+if __name__ == "__main__":  # the script and its simulate.py children: one thread each (not when a test imports it)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
