@@ -6,7 +6,6 @@ pooled: curves show the mean over seeds with the min–max range shaded.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
@@ -16,30 +15,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from analysis.curves import COLORS, band, by_label, color, logged_k, smooth  # noqa: E402
 from analysis.runs import Run  # noqa: E402
+from analysis.trajectories import display, figure_sets, val_curve  # noqa: E402
+from pace.config import target_pool  # noqa: E402
 
-ORDER = ["Sync", "Async", "PACE", "PACE (raw)", "PACE (gen)", "M2PO"]  # then the rest, sorted
 MAIN = ("Sync", "Async", "PACE")
-COLORS = {"Sync": "#4c72b0", "Async": "#dd8452", "PACE": "#55a868", "PACE (raw)": "#8172b3",
-          "PACE (gen)": "#937860", "M2PO": "#c44e52"}
-
-
-def by_label(runs: list[Run]) -> dict[str, list[Run]]:
-    out: dict[str, list[Run]] = defaultdict(list)
-    for r in runs:
-        out[r.label].append(r)
-    known = [k for k in ORDER if k in out]
-    return {k: out[k] for k in known + sorted(set(out) - set(known), key=_natural)}
-
-
-def _natural(label: str):
-    import re
-
-    return [float(t) if t.replace(".", "", 1).isdigit() else t for t in re.split(r"([0-9.]+)", label)]
-
-
-def color(label: str, i: int = 0) -> str:
-    return COLORS.get(label, plt.get_cmap("tab10")(i % 10))
 
 
 def save(fig, out_dir: Path, name: str) -> list[Path]:
@@ -49,17 +30,6 @@ def save(fig, out_dir: Path, name: str) -> list[Path]:
     fig.savefig(paths[1], bbox_inches="tight")
     plt.close(fig)
     return paths
-
-
-def _band(ax, curves: list[pd.Series], label: str, c, x_scale: float = 1.0) -> None:
-    """Mean over seeds (on the x values all seeds share) with the min–max range."""
-    table = pd.concat(curves, axis=1).dropna()
-    if table.empty:
-        return
-    x = table.index.to_numpy(dtype=float) * x_scale
-    ax.plot(x, table.mean(axis=1), color=c, label=f"{label} (n={len(curves)})" if len(curves) > 1 else label)
-    if len(curves) > 1:
-        ax.fill_between(x, table.min(axis=1), table.max(axis=1), color=c, alpha=0.2, linewidth=0)
 
 
 # ---------------------------------------------------------------- Figure 1
@@ -74,12 +44,12 @@ def validation_curves(runs: list[Run], labels=MAIN):
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     for i, (label, rs) in enumerate(groups.items()):
         rs = [r for r in rs if not r.val.empty]
-        _band(a, [r.val.set_index("version")["val/avg"] for r in rs], label, color(label, i))
+        band(a, [r.val.set_index("version")["val/avg"] for r in rs], label, color(label, i))
         # wall time differs per seed: mean wall of each version over seeds
         walls = pd.concat([r.val.set_index("version")["wall"] for r in rs], axis=1).mean(axis=1)
         accs = pd.concat([r.val.set_index("version")["val/avg"] for r in rs], axis=1)
         b.plot(walls / 60, accs.mean(axis=1), color=color(label, i), label=label, marker=".")
-    a.set(xlabel="training step (weights validated)", ylabel=f"validation mean@{_k(runs)} (avg)",
+    a.set(xlabel="training step (weights validated)", ylabel=f"validation mean@{logged_k(runs)} (avg)",
           title="Against training steps")
     b.set(xlabel="wall time (min)", title="Against wall time")
     a.legend(fontsize=8)
@@ -87,31 +57,17 @@ def validation_curves(runs: list[Run], labels=MAIN):
     return fig
 
 
-def _k(runs: list[Run]) -> str:
-    for r in runs:
-        for col in r.val.columns:
-            if col.startswith("val/") and "/mean@" in col:
-                return col.rsplit("@", 1)[1]
-    return "k"
-
-
 # ---------------------------------------------------------------- Figure 3
-
-
-def smooth(s: pd.Series, window: int) -> pd.Series:
-    return s.rolling(window, min_periods=1).mean()
 
 
 def stalek_curves(runs: list[Run], early: float = 0.5, window: int = 10):
     """Early training of the Stale-k sweep with Sync as the on-policy reference (Figure 3): accuracy
     of every completed group (filtered or not) against steps, and validation on the first named
     benchmark (`eval.figure_sets`: AIME 2024), over the first ``early`` fraction of the run."""
-    from analysis.trajectories import display, figure_sets, val_curve
-
     groups = {k: v for k, v in by_label(runs).items() if k.startswith("Stale-") or k == "Sync"}
     if not any(k.startswith("Stale-") for k in groups):
         return None
-    name = figure_sets(runs)[0] if any(not r.val.empty for r in runs) else None
+    name = next(iter(figure_sets(runs)), None)  # None: no validation set logged
     fig, (ax, val) = plt.subplots(1, 2, figsize=(10, 3.6))
     for i, (label, rs) in enumerate(groups.items()):
         c = "black" if label == "Sync" else plt.get_cmap("viridis")(i / max(len(groups), 2))  # the reference in black
@@ -122,12 +78,12 @@ def stalek_curves(runs: list[Run], early: float = 0.5, window: int = 10):
             v = val_curve(r, name, first=n) if name else None
             if v is not None and not v.empty:
                 vals.append(v)
-        _band(ax, curves, label, c)
+        band(ax, curves, label, c)
         if vals:
-            _band(val, vals, label, c)
+            band(val, vals, label, c)
     ax.set(xlabel="training step", ylabel=f"rollout accuracy ({window}-step mean)", title="Rollout accuracy")
     ax.legend(fontsize=8)
-    val.set(xlabel="training step", ylabel=f"validation mean@{_k(runs)}",
+    val.set(xlabel="training step", ylabel=f"validation mean@{logged_k(runs)}",
             title=f"{display(name)} validation" if name else "validation")
     if val.lines:
         val.legend(fontsize=8)
@@ -230,14 +186,13 @@ def pool_over_time(runs: list[Run], labels=("Async", "PACE"), window: int = 5):
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
     for i, (label, rs) in enumerate(groups.items()):
         c = color(label, i)
-        _band(a, [r.steps["pool/occupancy"] for r in rs], label, c)
+        band(a, [r.steps["pool/occupancy"] for r in rs], label, c)
         if label.startswith("PACE"):
-            cfg = rs[0].config
-            target = (cfg.get("pace") or {}).get("target_pool") or (cfg.get("data") or {}).get("batch_prompts")
+            target = target_pool(rs[0].config)
             if target:
                 a.axhline(target, color=c, linestyle="--", linewidth=1, label=f"{label} target n* = {target}")
             if "pool/rejected" in rs[0].steps:
-                _band(b, [smooth(r.steps["pool/rejected"], window) for r in rs], label, c)
+                band(b, [smooth(r.steps["pool/rejected"], window) for r in rs], label, c)
     a.set(xlabel="training step", ylabel="pooled groups (occupancy)", yscale="log", title="Pool occupancy")
     a.legend(fontsize=8)
     b.set(xlabel="training step", ylabel=f"groups rejected per step ({window}-step mean)", title="PACE's rejections")

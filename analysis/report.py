@@ -25,8 +25,8 @@ CAPTIONS = {
                        "training updates (the figure's title names the steps)."),
     "consumed_staleness": ("Staleness of the data each method trained on (Figure 7)",
                            "Waiting, Generation and Effective Staleness of consumed groups, PACE and Async. Async's "
-                           "Effective Staleness exists only in runs with `pool.record_effective=true`; the panel "
-                           "says when it was not recorded."),
+                           "Effective Staleness exists only in runs that recorded it (`pool.record_effective=0.125`: that "
+                           "share of the groups; 1: all); the panel says when it was not recorded."),
     "pool_over_time": ("The pool over time",
                        "Groups waiting in the pool at each training step (left, log scale; dashed: PACE's "
                        "target occupancy n*), and the groups PACE rejects per step to hold the pool near it (right). "
@@ -348,7 +348,7 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
         head, caption = CAPTIONS[name]
         lines += [f"## {head}", "", f"![{head}]({name}.png)", "", caption, ""]
     if numbers["skipped"]:
-        lines += [f"Not drawn (no runs for them): {', '.join(numbers['skipped'])}.", ""]
+        lines += [f"Not drawn (nothing in these runs to draw them from): {', '.join(numbers['skipped'])}.", ""]
     table = out / "val_best.md"
     if table.exists():
         m = numbers["val_best"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from analysis.figures import _band, _k, by_label, color, smooth
+from analysis.curves import band, by_label, color, logged_k, smooth
 from analysis.runs import Run
 
 LARGE, SMALL = "30B", "4B"  # the paper's Figure 9 model and Appendix C.1 model (Qwen3-30B-A3B, Qwen3-4B)
@@ -51,12 +51,17 @@ def val_curve(run: Run, name: str, first: int | None = None) -> pd.Series | None
     return s if first is None else s[s.index <= first]
 
 
-def _val_panel(ax, groups: dict[str, list[Run]], name: str, first: int | None = None, legend: bool = True) -> None:
-    """One benchmark's validation against steps, one curve per method; says so when not logged."""
+def _val_panel(ax, groups: dict[str, list[Run]], name: str | None, first: int | None = None, legend: bool = True) -> None:
+    """One benchmark's validation against steps, one curve per method; says so when not logged
+    (``name`` None: the runs logged no validation set)."""
+    if name is None:
+        ax.set(title="validation", xlabel="training step")
+        ax.text(0.5, 0.5, "no validations logged", ha="center", va="center", transform=ax.transAxes)
+        return
     for i, (label, rs) in enumerate(groups.items()):
         curves = [c for c in (val_curve(r, name, first) for r in rs) if c is not None and not c.empty]
         if curves:
-            _band(ax, curves, label, color(label, i))
+            band(ax, curves, label, color(label, i))
     ax.set(title="Average" if name == "avg" else display(name), xlabel="training step")
     if ax.lines and legend:
         ax.legend(fontsize=7)
@@ -78,10 +83,12 @@ def benchmark_curves(runs: list[Run], first: int | None = 300):
     if not groups:
         return None
     names = figure_sets(runs)
+    if not names:  # validated, but no set's mean@k logged
+        return None
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.6), squeeze=False)
     for ax, name in zip(axes[0], names):
         _val_panel(ax, groups, name, first)
-    axes[0][0].set_ylabel(f"validation mean@{_k(runs)}")
+    axes[0][0].set_ylabel(f"validation mean@{logged_k(runs)}")
     span = f"the first {first} steps" if first is not None else "the whole run"
     fig.suptitle(f"Validation trajectories over {span}", y=1.03)
     return fig
@@ -104,7 +111,7 @@ def all_trajectories(runs: list[Run]):
         _val_panel(ax, groups, name, legend=False)
     for ax in list(axes.flat)[len(names):]:
         ax.remove()
-    axes[0][0].set_ylabel(f"validation mean@{_k(runs)}")
+    axes[0][0].set_ylabel(f"validation mean@{logged_k(runs)}")
     fig.suptitle("Complete validation trajectories", y=1.01)
     fig.tight_layout()
     fig.legend(*axes[0][0].get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=8)
@@ -153,12 +160,14 @@ def large_model(runs: list[Run], hint: str = LARGE, window: int = 10):
     groups = {k: v for k, v in by_label(rs).items() if any(not r.steps.empty for r in v)}
     if not groups:
         return None
-    name = figure_sets(rs)[0]
+    name = next(iter(figure_sets(rs)), None)  # None: no validation logged (the time per step still draws)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     _val_panel(a, {k: [r for r in v if not r.val.empty] for k, v in groups.items()}, name)
-    a.set(title=f"{display(name)} validation", ylabel=f"validation mean@{_k(rs)}")
+    if name is not None:
+        a.set(title=f"{display(name)} validation")
+    a.set(ylabel=f"validation mean@{logged_k(rs)}")
     for i, (label, group) in enumerate(groups.items()):
-        _band(b, [smooth(r.steps["time/step"], window) for r in group], label, color(label, i))
+        band(b, [smooth(r.steps["time/step"], window) for r in group], label, color(label, i))
     b.set(title="Time per training step", xlabel="training step", ylabel=f"seconds per step ({window}-step mean)")
     b.legend(fontsize=7)
     fig.suptitle(f"{model}: validation and time per step", y=1.03)
@@ -201,11 +210,11 @@ def small_model(runs: list[Run], hint: str = SMALL, window: int = 10):
     fig, axes = plt.subplots(len(rows), 2, figsize=(10, 3.4 * len(rows)), squeeze=False)
     for (row, groups), (a, b) in zip(rows.items(), axes):
         _val_panel(a, {k: [r for r in v if not r.val.empty] for k, v in groups.items()}, "avg")
-        a.set(title=f"{row}: validation", ylabel=f"validation mean@{_k(rs)} (avg)")
+        a.set(title=f"{row}: validation", ylabel=f"validation mean@{logged_k(rs)} (avg)")
         for i, (label, group) in enumerate(groups.items()):
             curves = [smooth(r.steps["train/reward_mean"], window) for r in group if "train/reward_mean" in r.steps]
             if curves:
-                _band(b, curves, label, color(label, i))
+                band(b, curves, label, color(label, i))
         b.set(title=f"{row}: training reward", xlabel="training step", ylabel=f"reward of trained groups ({window}-step mean)")
         if b.lines:
             b.legend(fontsize=7)

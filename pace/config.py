@@ -8,6 +8,7 @@ transformers and accelerate are installed).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -296,13 +297,25 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+# Config keys added after checkpoints existed -> the value that reproduces a run from before them
+# (`saved_config`). data.dedup: a run from before it sampled every row of the file (its sampler's
+# position indexes that list, and returned prompt ids may be rows the deduplicated list does not have).
+KEYS_ADDED = {"data.dedup": False}
+
+
 def saved_config(path, cfg: DictConfig, overrides: list[str], keep=lambda key: False) -> DictConfig:
     """A saved config (a checkpoint's, a run's `.hydra/config.yaml`) under the schema (keys added
     since it was saved get their defaults), with the values ``cfg`` (this command line's) has for
     each key ``overrides`` set, except those ``keep(key)`` leaves as saved."""
     from omegaconf import OmegaConf
 
-    saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    written = OmegaConf.load(path)
+    saved = OmegaConf.merge(OmegaConf.structured(Config), written)
+    # Keys added after runs were saved, whose schema default changes what the run does: a saved
+    # config without one keeps the behaviour it was written under.
+    for key, before in KEYS_ADDED.items():
+        if OmegaConf.select(written, key, default=None) is None:
+            OmegaConf.update(saved, key, before, merge=False)
     for key in override_keys(overrides):
         if not keep(key):
             OmegaConf.update(saved, key, OmegaConf.select(cfg, key), merge=False)
@@ -312,6 +325,17 @@ def saved_config(path, cfg: DictConfig, overrides: list[str], keep=lambda key: F
 def override_keys(overrides: list[str]) -> list[str]:
     """The keys of command-line overrides (`key=value`, `+key=value`, `~key`)."""
     return [override.split("=", 1)[0].lstrip("+~") for override in overrides]
+
+
+def target_pool(cfg) -> int | None:
+    """n*, the pool size PACE steers to: `pace.target_pool`, null = B (`data.batch_prompts`). Takes a
+    composed config, its object form (the simulator's) or a run's logged one (a plain dict); None
+    when the latter lacks both keys."""
+    def get(node, key):
+        return node.get(key) if isinstance(node, Mapping) else getattr(node, key, None)
+
+    n = get(get(cfg, "pace") or {}, "target_pool")
+    return get(get(cfg, "data") or {}, "batch_prompts") if n is None else n
 
 
 def register() -> None:
@@ -413,7 +437,7 @@ def validate(cfg: DictConfig) -> None:
     cap = cfg.pool.capacity
     if cap is not None and cap < cfg.data.batch_prompts:
         raise ConfigError(f"pool.capacity={cap} is below data.batch_prompts={cfg.data.batch_prompts}: a batch could never form")
-    if cap is not None and cfg.pool.name == "pace" and (cfg.pace.target_pool or cfg.data.batch_prompts) > cap:
+    if cap is not None and cfg.pool.name == "pace" and target_pool(cfg) > cap:
         raise ConfigError(f"pace.target_pool={cfg.pace.target_pool} is above pool.capacity={cap}: the target is unreachable")
     if not 0 <= cfg.pool.record_effective <= 1:
         raise ConfigError(f"pool.record_effective must be in [0, 1] (a share of groups; 0: off), got {cfg.pool.record_effective}")

@@ -184,7 +184,8 @@ class Pool:
         if len({g.id for g in groups}) != len(groups) or not all(g in self._pooled for g in groups) or bad is not None:
             what = (f"fate {bad!r} (a policy removes groups as Fate.REJECTED or Fate.DROPPED_STALE)" if bad is not None
                     else "a group twice, or one that is not pooled")
-            raise RuntimeError(f"pool policy {type(self.policy).__name__}.select returned {what}")
+            decider = getattr(self.policy, "wraps", self.policy)  # pool.record_effective's wrapper: the wrapped one
+            raise RuntimeError(f"pool policy {type(decider).__name__}.select returned {what}")
 
     def abandon(self, batch: Batch, reason: str) -> None:
         """The training step on ``batch`` failed: its groups were not trained on. Consumed becomes

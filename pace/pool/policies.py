@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pace.config import target_pool
 from pace.pool import plugins, scoring
 from pace.pool.base import AdmissionView, PoolPolicy, Selection
 from pace.pool.columns import PoolColumns
@@ -180,7 +181,7 @@ POLICIES: dict[str, type[PoolPolicy]] = {
 
 def build_policy(cfg) -> PoolPolicy:
     policy = _build_policy(cfg)
-    share = getattr(cfg.pool, "record_effective", 0.0)  # absent in configs saved before it
+    share = cfg.pool.record_effective  # a resumed run's config is merged with the schema: always there
     if share > 0 and not (cfg.pool.name == "pace" and cfg.pace.score == "effective"):
         return RecordingPolicy(policy, gamma=cfg.pace.gamma, score_window=cfg.pace.score_window, share=share)
     return policy
@@ -197,7 +198,6 @@ def _build_policy(cfg) -> PoolPolicy:
         return GatePolicy(**common, max_head_offpolicyness=cfg.pool.max_head_offpolicyness)
     if name == "pace":
         p = cfg.pace
-        target = cfg.data.batch_prompts if p.target_pool is None else p.target_pool
-        return PacePolicy(**common, score=p.score, gamma=p.gamma, target_pool=target, ema=p.ema,
-                          score_window=p.score_window, selection=getattr(p, "selection", "pool"))  # absent in configs saved before it
+        return PacePolicy(**common, score=p.score, gamma=p.gamma, target_pool=target_pool(cfg), ema=p.ema,
+                          score_window=p.score_window, selection=p.selection)
     return POLICIES[name](**common)

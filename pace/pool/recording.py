@@ -12,9 +12,11 @@ Staleness to draw for them. `RecordingPolicy` wraps such a policy:
                      (`time/rescore`), but once each, under the weights loaded when they reached
                      the head (a score cancelled by a sync is asked again under the new weights)
     record_pfs       new scores go to the wrapper's own window (`pace.score_window`)
-    after select     every group the wrapped policy decided gets u (its PFS percentile in that
+    after select     every sampled group the wrapped policy decided gets u (its PFS percentile in that
                      window, 1 when not rescored yet) and S_eff = K_wait + u^γ K_gen (`pace.gamma`);
-                     `pool/pfs_coverage` is the share of decided groups with K_gen > 0 that had a PFS
+                     `pool/pfs_coverage` is the share of decided groups with K_gen > 0 that had a PFS;
+                     the others carry no u or S_eff (not even a wrapped PACE's own, which raw and
+                     generation compute with u = 1)
 
 `pool.record_effective` is the share of groups recorded: 1 all of them, 0.125 a fixed
 pseudo-random eighth (by group id; the others get no score and cost nothing), 0 off. Rescoring
@@ -45,7 +47,6 @@ class RecordingPolicy:
         self.policy = policy
         self.share = share
         self.batch_prompts = policy.batch_prompts
-        self.name = getattr(policy, "name", type(policy).__name__)
         self.gamma = gamma
         self.head = 2 * policy.batch_prompts if head is None else head
         self.window = ScoreWindow(score_window)
@@ -75,10 +76,20 @@ class RecordingPolicy:
         selection = self.policy.select(pooled, step)
         if selection is None:
             return None
-        groups = [g for g in selection.batch + [g for g, _, _ in selection.removed] if self.sampled(g)]
+        decided = selection.batch + [g for g, _, _ in selection.removed]
+        for g in decided:  # a PACE policy's own u and S_eff (raw / generation: u = 1) are not the record
+            if not self.sampled(g):
+                g.scores.pop("u", None)
+                g.scores.pop("s_eff", None)
+        groups = [g for g in decided if self.sampled(g)]
         if groups:
             self._record(groups, step, selection.metrics)
         return selection
+
+    @property
+    def wraps(self) -> PoolPolicy:
+        """The policy that decides (`Pool` names it in a bad selection's error)."""
+        return self.policy
 
     def _record(self, groups: list, step: int, metrics: dict) -> None:
         pfs = np.array([np.nan if g.pfs is None else g.pfs for g in groups], dtype=np.float64)

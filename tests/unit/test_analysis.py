@@ -249,3 +249,17 @@ def test_the_pool_figure_draws_occupancy_with_pace_target_and_its_rejections():
     assert [line.get_label() for line in right.lines] == ["PACE"]  # Async rejects nothing: not drawn
     assert figures.pool_over_time([_run({"pool": {"name": "sync"}}, {"pool/occupancy": [0, 0]})]) is None
     assert figures.pool_over_time([_run({"pool": {"name": "async"}}, {"reward/mean": [0.0]})]) is None
+
+
+def test_every_setting_the_report_names_composes():
+    """A `key=value` the report's captions tell the reader to set is a valid override of the run's
+    config (e.g. `pool.record_effective` is a share of groups, not a switch)."""
+    import re
+
+    from analysis.report import CAPTIONS
+    from tests.unit.test_config import compose_cfg
+
+    settings = {m for _, caption in CAPTIONS.values() for m in re.findall(r"`([a-z_]+\.[a-z_.]+=[^`\s]+)`", caption)}
+    assert settings  # the captions do name some
+    for setting in sorted(settings):
+        compose_cfg([setting])

@@ -257,6 +257,22 @@ def test_resume_runs_with_the_checkpoints_config_and_only_resumable_changes(tmp_
         resume_config(compose_cfg(["+exp=async_tiny"]), ckpt, [f"resume={ckpt}", "+exp=async_tiny"])
 
 
+def test_resume_of_a_checkpoint_saved_before_data_dedup_keeps_every_row(tmp_path: Path) -> None:
+    """A checkpoint whose config predates `data.dedup` sampled from every row of the file: its
+    sampler's position indexes that list, so the resume must load the same one (dedup false),
+    not the schema's default (true)."""
+    from pace.checkpoint import resume_config
+
+    ckpt = _saved_config(tmp_path, ["+exp=pace_tiny"])
+    old = OmegaConf.load(ckpt / "config.yaml")
+    del old.data["dedup"]
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(old))
+    cfg = resume_config(compose_cfg([]), ckpt, [f"resume={ckpt}"])
+    assert cfg.data.dedup is False
+    ckpt = _saved_config(tmp_path / "new", ["+exp=pace_tiny"])  # saved with the key: kept as saved
+    assert resume_config(compose_cfg([]), ckpt, [f"resume={ckpt}"]).data.dedup is True
+
+
 def test_resume_finds_the_newest_checkpoint_and_names_a_bad_path(tmp_path: Path) -> None:
     from pace.checkpoint import STATE_FILE, resolve
 
@@ -307,3 +323,20 @@ def test_the_30b_a3b_presets_train_on_a_node_of_8_with_engines_on_another() -> N
     assert OmegaConf.load(CONF / "accelerate" / "fsdp_8gpu.yaml").num_processes == 8
     docs = (CONF.parent / "README.md").read_text() + (CONF.parent / "docs" / "gpu.md").read_text()
     assert "TP=2 ACCELERATE_CONFIG=conf/accelerate/fsdp_8gpu.yaml" in docs
+
+
+def test_target_pool_is_n_star_with_null_meaning_b():
+    """n* in one place (`pace.config.target_pool`): the policy, validation, the simulator's report and
+    the pool figure read it from a composed config or from a run's logged config (a plain dict)."""
+    from pace.config import target_pool
+    from pace.pool import build_policy
+
+    cfg = compose_cfg(["+exp=pace_tiny", "data.batch_prompts=4"])
+    assert cfg.pace.target_pool is None and target_pool(cfg) == 4
+    assert build_policy(cfg).controller.target == 4
+    cfg.pace.target_pool = 12
+    assert target_pool(cfg) == 12 and build_policy(cfg).controller.target == 12
+    assert target_pool(OmegaConf.to_object(cfg)) == 12  # the simulator builds its policy from the object
+    assert target_pool({"pace": {"target_pool": None}, "data": {"batch_prompts": 32}}) == 32
+    assert target_pool({"pace": {"target_pool": 0}, "data": {"batch_prompts": 32}}) == 0  # a value, not "unset"
+    assert target_pool({"data": {}}) is None  # a logged config without the keys: unknown

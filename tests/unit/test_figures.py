@@ -176,7 +176,38 @@ def test_the_tiny_lab_draws_its_analogues_from_one_model():
     assert [t for t, _ in panels(build.draw("benchmarks", runs))] == ["arith_l3", "arith_l4"]
 
 
+def test_runs_without_validation_or_figure_sets_draw_what_they_have(tmp_path):
+    """Runs with no validation and no `eval.figure_sets` (eval.every 0): Figure 9 draws its time per
+    step with the validation panel saying none was logged; the validation figures are skipped."""
+    runs = [run(label, MODEL_30B) for label in ("Async", "PACE")]
+    for r in runs:
+        r.val, r.config["eval"] = pd.DataFrame(), {}
+    fig = build.draw("large_model", runs)
+    assert panels(fig) == [("validation", []), ("Time per training step", ["Async", "PACE"])]
+    assert [t.get_text() for t in fig.axes[0].texts] == ["no validations logged"]
+    numbers = build.build(runs, tmp_path)
+    assert {"validation", "benchmarks", "appendix_b"} <= set(numbers["skipped"]) and "large_model" in numbers["figures"]
+    only_avg = [run(label, MODEL_30B, sets=[]) for label in ("Stale-1", "Sync")]  # val/avg but no set's mean@k
+    for r in only_avg:
+        r.config["eval"] = {}
+    assert build.draw("benchmarks", only_avg) is None
+    assert panels(build.draw("stalek", only_avg))[1] == ("validation", [])
+
+
 def test_build_writes_every_figure(tmp_path):
     numbers = build.build(paper_runs(), tmp_path)
     assert numbers["figures"] == list(build.FIGURES) and not numbers["skipped"]
     assert all((tmp_path / f"{name}.png").is_file() for name in build.FIGURES)
+
+
+def test_trajectories_and_figures_import_one_way():
+    """figures draws Figure 3 with trajectories' validation helpers; trajectories draws with the shared
+    band and colours (analysis/curves.py), not with figures: no import cycle, no private names."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, analysis.trajectories; print('analysis.figures' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "False"

@@ -274,7 +274,7 @@ def test_async_admission_only_caps_inflight() -> None:
 
 @pytest.mark.parametrize("name, cls", [("sync", SyncPolicy), ("async", AsyncPolicy)])
 def test_build_policy(name: str, cls: type) -> None:
-    cfg = OmegaConf.create({"pool": {"name": name}, "data": {"batch_prompts": 5}, "rollout": {"max_inflight_groups": 7}})
+    cfg = OmegaConf.create({"pool": {"name": name, "record_effective": 0.0}, "data": {"batch_prompts": 5}, "rollout": {"max_inflight_groups": 7}})
     policy = build_policy(cfg)
     assert type(policy) is cls
     assert (policy.batch_prompts, policy.max_inflight_groups) == (5, 7)
@@ -501,8 +501,9 @@ def test_state_dict_round_trip_counts_inflight_as_dropped() -> None:
     import pickle
 
     cfg = OmegaConf.create({"data": {"batch_prompts": 2}, "rollout": {"max_inflight_groups": 8},
-                            "pool": {"name": "pace", "max_lag": 4.0, "max_head_offpolicyness": 4},
-                            "pace": {"score": "effective", "gamma": 2.0, "target_pool": 2, "ema": 0.5, "score_window": 8}})
+                            "pool": {"name": "pace", "max_lag": 4.0, "max_head_offpolicyness": 4, "record_effective": 0.0},
+                            "pace": {"score": "effective", "gamma": 2.0, "target_pool": 2, "ema": 0.5, "score_window": 8,
+                                     "selection": "pool"}})
     pool = Pool(build_policy(cfg), informative)
     for gid in range(6):
         submit_and_add(pool, make_group(gid, submitted_at=0), version=0)

@@ -145,3 +145,30 @@ def test_the_key_is_a_share_validated_in_one_line(share, ok):
     else:
         with pytest.raises(ConfigError, match=r"^pool.record_effective must be in \[0, 1\]"):
             validate(c)
+
+
+def test_a_share_over_pace_raw_leaves_no_unrecorded_effective_staleness():
+    """PACE (raw) writes its own u and S_eff on every group it decides, with u = 1 (its window is
+    never fed): under a share < 1 the groups outside the sample must not keep those, or the record
+    mixes PACE's u = 1 with the recorded u."""
+    policy = build_policy(cfg("pace", 0.25, score="raw"))
+    _, groups = drive(policy)
+    outside = [g for g in groups if not policy.sampled(g)]
+    assert outside and all("u" not in g.scores and "s_eff" not in g.scores for g in outside)
+    assert all("score" in g.scores for g in outside)  # PACE's own ranking score stays
+    assert all("s_eff" in g.scores for g in groups if policy.sampled(g))
+
+
+class TwiceTaken(AsyncPolicy):
+    def select(self, pooled, step):
+        selection = super().select(pooled, step)
+        return selection and type(selection)(batch=selection.batch + selection.batch[:1])
+
+
+def test_a_bad_selection_names_the_wrapped_policy():
+    pool = Pool(RecordingPolicy(TwiceTaken(B, 64), gamma=1.0, score_window=8), informative=lambda g: True)
+    for g in [make_group(i, 0, 1) for i in range(B)]:
+        pool.on_submitted(g)
+        pool.add(g, 1)
+    with pytest.raises(RuntimeError, match=r"^pool policy TwiceTaken\.select returned a group twice"):
+        pool.form_batch(1, timeout=0)
