@@ -181,8 +181,9 @@ def caption(table: dict, entries: list[Entry]) -> str:
     vk = sorted({e.selected["val_k"] for e in entries})
     within = sorted({e.selected["best_within"] for e in entries}, key=lambda w: (w is None, w or 0))
     window = " / ".join("the whole run" if w is None else f"{w} updates" for w in within)
+    shown = {**table["rows"], **{m: r for m, r in table["ablation"].items() if m not in table["rows"]}}
     versions = "; ".join(f"{m}: " + ", ".join(f"θ_{s['version']} (seed {s['seed']})" for s in r["selected"])
-                         for m, r in table["rows"].items())
+                         for m, r in shown.items())
     sets = ", ".join(title(n) for n in next(iter(table["rows"].values()))["mean"] if n != "avg")
     return (f"mean@{table['k']} (%) by eval.py on {sets}, of each run's checkpoint at its in-training validation "
             f"(mean@{' / '.join(map(str, vk))}) with the best average within {window}; mean over seeds"

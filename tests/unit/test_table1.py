@@ -56,6 +56,7 @@ def test_the_table_holds_eval_py_scores_by_method_with_versions_and_ks(tmp_path)
     # the caption: the scoring k, the selection's k and window, each run's selected version
     assert "mean@4 (%) by eval.py" in md and "in-training validation (mean@2) with the best average within 300 updates" in md
     assert "Sync: θ_20 (seed 0)" in md and "PACE: θ_30 (seed 0), θ_10 (seed 1)" in md
+    assert "PACE (gen): θ_40 (seed 0)" in md  # the ablation's runs too
     # never the validation numbers that selected the versions (80, 85, 90 here)
     assert not any(x in md for x in ("80.00", "85.00", "90.00"))
     data = json.loads((out / "table1.json").read_text())
