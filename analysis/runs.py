@@ -20,15 +20,10 @@ import pandas as pd
 SOURCES = ("local", "wandb-offline", "wandb")
 
 
-@dataclass
-class Run:
-    name: str  # run directory name or wandb run id
-    source: str
-    config: dict  # the resolved run config (nested, as train.py saw it)
-    steps: pd.DataFrame  # one row per training step, indexed 0..n-1; `wall` = cumulative time/step
-    val: pd.DataFrame  # one row per validation: version, wall (when θ_version existed), val/*
-    groups: pd.DataFrame  # one row per group (DESIGN §6)
-    summary: dict
+class Labelled:
+    """What a run's config names: its method (`method_label`) and seed. Needs a ``config`` dict."""
+
+    config: dict
 
     @property
     def label(self) -> str:
@@ -37,6 +32,17 @@ class Run:
     @property
     def seed(self) -> int:
         return int(self.config.get("seed", 0))
+
+
+@dataclass
+class Run(Labelled):
+    name: str  # run directory name or wandb run id
+    source: str
+    config: dict  # the resolved run config (nested, as train.py saw it)
+    steps: pd.DataFrame  # one row per training step, indexed 0..n-1; `wall` = cumulative time/step
+    val: pd.DataFrame  # one row per validation: version, wall (when θ_version existed), val/*
+    groups: pd.DataFrame  # one row per group (DESIGN §6)
+    summary: dict
 
     @property
     def dir(self) -> str:  # kept for scripts written against the first version

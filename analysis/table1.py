@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.runs import find_run_dirs, method_label  # noqa: E402
+from analysis.runs import Labelled, find_run_dirs  # noqa: E402
 from pace.selection import SelectionError, result_path, run_config, selection, val_k  # noqa: E402
 
 MAIN = ["Sync", "Async", "M2PO", "PACE"]  # the paper's rows; other methods follow them
@@ -38,7 +38,7 @@ ABLATION = {"PACE (gen)": "PACE (gen)", "PACE (raw)": "PACE (raw)", "PACE": "PAC
 
 
 @dataclass
-class Entry:
+class Entry(Labelled):
     """One run: its config, its selection (best.json) and eval.py's score of it (None: not scored yet)."""
 
     name: str
@@ -47,14 +47,6 @@ class Entry:
     selected: dict
     k: int
     scores: dict[str, float] | None = None
-
-    @property
-    def label(self) -> str:
-        return method_label(self.config)
-
-    @property
-    def seed(self) -> int:
-        return int(self.config.get("seed", 0))
 
     @property
     def multiturn(self) -> bool:
