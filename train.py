@@ -259,6 +259,8 @@ def run(cfg: DictConfig) -> None:
 
     from pace.algo.trainer import DAPOTrainer
 
+    control.barrier()  # rank 0 read the data meanwhile (a hub read may be slow): the others wait here, not in the
+    # trainer's first collective (model preparation) under the process group's timeout
     trainer = DAPOTrainer(model_path, cfg, accelerator)
     config = OmegaConf.to_container(cfg, resolve=True)
     checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints, model_path)
