@@ -21,6 +21,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pace import checkpoint as ckpt
+from pace import rundir
 from pace.algo.precision import mixed_precision
 from pace.config import ConfigError, register, validate
 from pace.control import Control
@@ -33,6 +34,7 @@ from pace.tasks import loading
 from pace.tasks.math import DataError
 
 register()
+rundir.register()  # ${pace.rank0_dir:…} in conf/config.yaml's hydra section
 
 
 class UserError(Exception):
@@ -241,6 +243,7 @@ def run(cfg: DictConfig) -> None:
         run_dir = ckpt.run_dir_of(checkpoint)
     else:
         run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
+    run_dir = Path(control.decide(str(run_dir)))  # rank 0's on every rank: each rank's `now` is its own (pace/rundir.py)
     progress = cfg.logger.progress and main_rank
 
     with control.main_first():  # rank 0 builds the tiny model (or downloads the hub model) once; the others reuse it
@@ -256,6 +259,8 @@ def run(cfg: DictConfig) -> None:
 
     from pace.algo.trainer import DAPOTrainer
 
+    control.barrier()  # rank 0 read the data meanwhile (a hub read may be slow): the others wait here, not in the
+    # trainer's first collective (model preparation) under the process group's timeout
     trainer = DAPOTrainer(model_path, cfg, accelerator)
     config = OmegaConf.to_container(cfg, resolve=True)
     checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints, model_path)

@@ -10,6 +10,8 @@
 # at this host's address (rollout.transfer_address, found from the route to the first server; set
 # TRANSFER_ADDRESS to choose it) on a free port. Needs: this repository at the same path on every
 # host (REPO), its environment set up there, the model path readable there.
+# The run directory is trainer rank 0's (runs/<exp_name>/<time> by its clock, or hydra.run.dir=...):
+# every rank writes there (pace/rundir.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="${REPO:-$PWD}"

@@ -7,6 +7,8 @@
 # trainer waits for every /health, then starts on the first node with the servers' URLs
 # (rollout.engine_process=server). The servers reach trainer rank 0 for the weight broadcast at the
 # first node's address. The trainer node's GPUs train (conf/accelerate/fsdp.yaml: NUM_PROCESSES).
+# The run directory is trainer rank 0's (runs/<exp_name>/<time> by its clock, or hydra.run.dir=...):
+# every rank writes there (pace/rundir.py).
 #SBATCH --job-name=pace
 #SBATCH --ntasks-per-node=1
 set -euo pipefail

