@@ -245,7 +245,8 @@ class TrainerConfig:
     sync_mismatch_steps: int = 3
     # After every weight sync, each engine worker's fingerprints of the tensors it received must equal
     # the trainer's of what it sent for that version (pace/fingerprint.py): exact in any dtype, where
-    # the bound above cannot see an engine a version behind in bf16. A sync without them stops the run.
+    # `max_sync_mismatch` cannot see an engine a version behind in bf16. Any other weights, or none,
+    # stop the run after a checkpoint.
     sync_fingerprint: bool = True
 
 
