@@ -207,7 +207,16 @@ class ExactReload:
 
 
 def _fingerprinted(weights, prints):
-    """``weights`` ((name, tensor) pairs) as they pass into the loader, each fingerprinted first."""
+    """``weights`` ((name, tensor) pairs) for the loader, each fingerprinted before it loads: a list
+    (nccl's and ipc's engines pass lists) stays a list; an iterator is taken as it passes."""
+    if isinstance(weights, (list, tuple)):
+        for name, tensor in weights:
+            prints.add(name, tensor)
+        return weights
+    return _passing(weights, prints)
+
+
+def _passing(weights, prints):
     for name, tensor in weights:
         prints.add(name, tensor)
         yield name, tensor

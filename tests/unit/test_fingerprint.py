@@ -124,6 +124,12 @@ def test_the_checked_engine_fingerprints_what_its_loader_received_once_asked():
     _update(engine.model, FULL, engine)
     assert engine.fingerprint == {name: fp.tensor_fingerprint(t) for name, t in FULL.items()}
     first = engine.fingerprint
-    moved = dict(FULL, **{"mid.bias": FULL["mid.bias"] + 1})
-    _update(engine.model, moved, engine)
+    moved = _Listed(FULL, **{"mid.bias": FULL["mid.bias"] + 1})
+    _update(engine.model, moved, engine)  # the loader given a list, as nccl's and ipc's engines give it
     assert engine.fingerprint != first and engine.fingerprint["mid.bias"] == fp.tensor_fingerprint(moved["mid.bias"])
+    assert torch.equal(engine.model.mid.bias, moved["mid.bias"])  # and the list still loaded
+
+
+class _Listed(dict):
+    def items(self):
+        return list(super().items())
