@@ -20,15 +20,16 @@ worker also says whether that model is the one its runner serves. Fingerprints o
 *holds* after loading would need each model's loader inverted (fused qkv/gate_up projections,
 tensor-parallel shards, stacked MoE experts, CPU kernel repacking); what loading does after receipt
 is checked by the reload's audit (every layer got all its elements) and, in float32, by the
-on-policy guard. Only small lists of integers cross processes (`collective_rpc`, JSON for servers).
+on-policy guard. Only one integer a tensor crosses processes (`collective_rpc`, JSON for servers).
 
 The fingerprint of a tensor: its bytes read as int16 (uint8 for one-byte dtypes), each times a
 weight w_i = (i·A mod P) + 1 that depends on its position i (P = 32749, prime), summed exactly in
-integers: independent of device, reduction order and rounding; a change of any one element, or a
-transposed or shifted tensor, changes it. Cost: three elementwise passes over what is sent, on the
-device that holds it, ~22 bytes of memory traffic an element: ~0.1 s a side per sync for an 8B
-model at an H100's bandwidth (an estimate: not yet run on a GPU); on CPU 0.09 G elements/s on one
-thread (the tiny model: 1.5 ms a sync).
+integers: independent of device, reduction order and rounding. A change of any one element changes
+it (by δ·w_i ≠ 0); several changes, a transposed or a shifted tensor change it unless their terms
+cancel exactly (chance ~1/P or less). Cost: three elementwise passes over what is sent, on the
+device that holds it (~22 bytes of memory traffic an element) and one device sync a tensor: ~0.1 s
+a side per sync for an 8B model at an H100's bandwidth (an estimate: not yet run on a GPU); on CPU
+0.09 G elements/s on one thread (the tiny model: 1.5 ms a side per sync).
 
 A judged update with other weights, or none, stops the run after a checkpoint with one line
 (`StaleEngine`, a `SyncMismatch`). `trainer.sync_fingerprint` (default true) turns it off.
