@@ -4,8 +4,9 @@
 Each update: `/pause?mode=keep` (requests in flight keep their KV), vLLM's `HTTPVLLMWeightSyncClient`
 (`/start_weight_update`, `/update_weights` while trainer rank 0 broadcasts, `/finish_weight_update`),
 the reload checks of pace/rollout/reload.py and the weight fingerprints of pace/fingerprint.py through
-`/collective_rpc`, the version label through `/update_weight_version`, `/resume`. Every call goes to every live server at once: the broadcast is a
-collective over the trainer and every server's workers.
+`/collective_rpc`, the version label through `/update_weight_version`, `/resume`. Every call goes
+to every live server at once: the broadcast is a collective over the trainer and every server's
+workers.
 """
 from __future__ import annotations
 
