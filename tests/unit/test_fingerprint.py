@@ -133,3 +133,23 @@ def test_the_checked_engine_fingerprints_what_its_loader_received_once_asked():
 class _Listed(dict):
     def items(self):
         return list(super().items())
+
+
+def test_a_worker_reports_its_fingerprints_only_when_asked_and_only_for_the_model_it_serves():
+    from types import SimpleNamespace
+
+    from tests.unit.test_reload_checks import FULL, _Engine, _Toy, _update
+
+    from pace.rollout import reload
+    from pace.rollout.transfer import WorkerExtension
+
+    engine = reload.checked(_Engine)(_Toy())
+    worker = SimpleNamespace(weight_transfer_engine=engine, model_runner=SimpleNamespace(get_model=lambda: engine.model))
+    assert WorkerExtension.pace_weight_fingerprint(worker).startswith("does not fingerprint its updates")
+    WorkerExtension.pace_fingerprint_updates(worker)
+    assert WorkerExtension.pace_weight_fingerprint(worker) is None  # asked, no update yet
+    _update(engine.model, FULL, engine)
+    assert WorkerExtension.pace_weight_fingerprint(worker) == {n: fp.tensor_fingerprint(t) for n, t in FULL.items()}
+    worker.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Linear(1, 1))  # it serves another model
+    assert WorkerExtension.pace_weight_fingerprint(worker) == (
+        "loaded its updates into a _Toy that is not the model it serves (Linear)")
