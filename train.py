@@ -377,7 +377,7 @@ def run(cfg: DictConfig) -> None:
                     K=f"{metrics['staleness/k_mean']:.2f}",
                     wait=f"{t_wait:.1f}s",
                 )
-            mismatch = guard.check(step, metrics) if main_rank else None
+            mismatch = (guard.check(step, metrics) or rollout.stale) if main_rank else None  # stale: pace/fingerprint.py
             if control.decide(mismatch is not None):
                 failure = mismatch or SyncMismatch("stopped with rank 0 (on-policy mismatch)")
                 break
@@ -392,7 +392,7 @@ def run(cfg: DictConfig) -> None:
                 checkpointer.save("end of training", parts)
         if stop.requested or failure is not None:
             status = "failed" if failure is not None else "interrupted"
-            why = (signal.Signals(stop.signum).name if failure is None else "on-policy mismatch"
+            why = (signal.Signals(stop.signum).name if failure is None else failure.why
                    if isinstance(failure, SyncMismatch) else f"rollout failure: {type(failure.__cause__).__name__}")
             saved = stop_and_checkpoint(checkpointer, parts, trainer.version, why)
         if failure is not None:

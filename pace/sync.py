@@ -6,8 +6,10 @@
 
 The weights are a `CastSource` over the trainer's parameters (each all-gathered with
 `full_tensor()` under FSDP, a collective every rank joins, and cast to the engine dtype), given to
-a vLLM trainer-side weight-transfer engine. The engines' side is driven by the rollout thread
-(`RolloutWorker`), which owns them; the worker is the `VLLMWeightSyncClient` here.
+a vLLM trainer-side weight-transfer engine; on rank 0 it fingerprints what it sends, for the rollout
+thread to compare with the engines' after each update (pace/fingerprint.py). The engines' side is
+driven by the rollout thread (`RolloutWorker`), which owns them; the worker is the
+`VLLMWeightSyncClient` here.
 
 - ``shm`` (CPU; engines on rank 0's host): rank 0 writes θ into a shared-memory slot and posts
   it; the rollout thread loads it between engine steps while the trainer goes on. A newer
@@ -36,7 +38,9 @@ class WeightSync:
         self.barrier = barrier  # the trainer ranks' wait on rank 0 (pace/control.py): hours, not NCCL's watchdog
         self.backend = engine_lib.transfer_backend(cfg.rollout, device)
         self.acc = trainer.acc
-        source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype))
+        sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/fingerprint.py
+        on_sent = None if sent is None else lambda prints: sent.expect(self._sending, prints)
+        source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype), on_sent)
         rank = self.acc.process_index
         self.cfg, self.rollout, self.source = cfg, rollout, source
         if self.backend == transfer.BACKEND:
@@ -51,7 +55,7 @@ class WeightSync:
                 IPCTrainerInitInfo(rank=rank), client=None if rollout is None else BlockingClient(rollout), source=source)
         else:
             raise ValueError(f"rollout.weight_transfer: unknown backend {self.backend!r}")
-        self._update, self._version = None, None
+        self._update, self._version, self._sending = None, None, None
         self._written: tuple[int, dict] | None = None  # (version, slot info) of the last θ written
 
     def _connect(self, rank: int):
@@ -77,6 +81,7 @@ class WeightSync:
     def prepare(self, version: int) -> None:
         """shm: every rank materialises θ, rank 0 writes it into a slot (the engines go on with
         the previous weights). nccl: nothing yet (the broadcast needs the engines paused)."""
+        self._sending = version  # what the source's passes send from here on (its fingerprints' version)
         self._update = self.engine.write() if self.backend == transfer.BACKEND else None
         self._version = version
         if self._update is not None:

@@ -201,6 +201,14 @@ class EngineFleet:
             if child:
                 e.engine_core.call_utility("resume_scheduler")
 
+    def fingerprint_updates(self) -> None:
+        """Every worker fingerprints the weights it receives from the next update on (pace/fingerprint.py)."""
+        self.collective_rpc("pace_fingerprint_updates")
+
+    def fingerprints(self) -> list:
+        """Each worker's fingerprints of its last update, in engine order."""
+        return self.collective_rpc("pace_weight_fingerprint")
+
     def set_version(self, version: int) -> None:
         for e in self.engines:
             e.set_weight_version(str(version))

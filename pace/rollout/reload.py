@@ -146,7 +146,10 @@ class ExactReload:
 
     `finish_weight_update` completes vLLM's lifecycle in any case (so every engine and worker
     closes its update session) and keeps what went wrong in `failure`; the client fails the sync
-    from `take_failure()` (pace/rollout/transfer.py's `WorkerExtension`, pace/rollout/fleet.py)."""
+    from `take_failure()` (pace/rollout/transfer.py's `WorkerExtension`, pace/rollout/fleet.py).
+
+    With `fingerprinting` on, the tensors `load_weights` receives are fingerprinted as they pass
+    (pace/fingerprint.py); `fingerprint` holds those of the last finished update, None before one."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -154,15 +157,22 @@ class ExactReload:
         self._loaded: set[str] | None = None
         self.last_audit: Audit | None = None
         self.failure: str | None = None
+        self.fingerprinting = False
+        self._prints = None  # this update's, while it runs
+        self.fingerprint: dict[str, int] | None = None
 
     def start_weight_update(self) -> None:
         model = self.model
         self._shared = shared_parameters(model)
         model.__dict__.pop("load_weights", None)  # a wrapper left by an update that never finished
         load, self._loaded = model.load_weights, set()
+        if self.fingerprinting:
+            from pace.fingerprint import Fingerprints
+
+            self._prints = Fingerprints()
 
         def load_weights(weights):  # every backend's receive path loads through it
-            names = load(weights)
+            names = load(weights if self._prints is None else _fingerprinted(weights, self._prints))
             if names is None or self._loaded is None:
                 self._loaded = None  # a model that does not report its names
             else:
@@ -180,6 +190,8 @@ class ExactReload:
         model.__dict__.pop("load_weights", None)
         super().finish_weight_update()  # vLLM restores what received nothing: the engine stays usable
         self.last_audit = found
+        if self._prints is not None:
+            self.fingerprint, self._prints = self._prints.prints, None
         failures = [found.message()] if found.missing else []
         for name, layer in found.tied:
             try:
@@ -192,6 +204,22 @@ class ExactReload:
         """What the last update left undone (one line), or None; cleared."""
         failure, self.failure = self.failure, None
         return failure
+
+
+def _fingerprinted(weights, prints):
+    """``weights`` ((name, tensor) pairs) for the loader, each fingerprinted before it loads: a list
+    (nccl's and ipc's engines pass lists) stays a list; an iterator is taken as it passes."""
+    if isinstance(weights, (list, tuple)):
+        for name, tensor in weights:
+            prints.add(name, tensor)
+        return weights
+    return _passing(weights, prints)
+
+
+def _passing(weights, prints):
+    for name, tensor in weights:
+        prints.add(name, tensor)
+        yield name, tensor
 
 
 def checked(engine_cls: type) -> type:

@@ -3,9 +3,10 @@
 
 Each update: `/pause?mode=keep` (requests in flight keep their KV), vLLM's `HTTPVLLMWeightSyncClient`
 (`/start_weight_update`, `/update_weights` while trainer rank 0 broadcasts, `/finish_weight_update`),
-the reload checks of pace/rollout/reload.py through `/collective_rpc`, the version label through
-`/update_weight_version`, `/resume`. Every call goes to every live server at once: the broadcast is a
-collective over the trainer and every server's workers.
+the reload checks of pace/rollout/reload.py and the weight fingerprints of pace/fingerprint.py through
+`/collective_rpc`, the version label through `/update_weight_version`, `/resume`. Every call goes
+to every live server at once: the broadcast is a collective over the trainer and every server's
+workers.
 """
 from __future__ import annotations
 
@@ -109,10 +110,7 @@ class RemoteWeightsMixin:
 
         try:
             self._each(lambda s: self._client(s).finish_weight_update(), "finish_weight_update")
-            results = self._each(lambda s: self._post(s, "/collective_rpc", {"method": "pace_weight_update_failure"},
-                                                            timeout=self.engine_timeout_s),
-                                 "the reload check")
-            failures = [f for r in results for f in (r or {}).get("results", []) if f]
+            failures = [f for f in self._rpc("pace_weight_update_failure", "the reload check") if f]
             if failures:
                 more = f" (and {len(failures) - 1} more workers)" if len(failures) > 1 else ""
                 raise IncompleteWeightUpdate(failures[0] + more)
@@ -128,6 +126,19 @@ class RemoteWeightsMixin:
             s.last_output = time.monotonic()
 
         self._each(resume, "resume")
+
+    def _rpc(self, method: str, what: str) -> list:
+        """``method`` of pace/rollout/transfer.py's `WorkerExtension` on every live server's workers."""
+        results = self._each(lambda s: self._post(s, "/collective_rpc", {"method": method}, timeout=self.engine_timeout_s),
+                             what)
+        return [r for result in results for r in (result or {}).get("results", [])]
+
+    def fingerprint_updates(self) -> None:
+        self._rpc("pace_fingerprint_updates", "the fingerprint switch")
+
+    def fingerprints(self) -> list:
+        """Each live server's workers' fingerprints of their last update (pace/fingerprint.py)."""
+        return self._rpc("pace_weight_fingerprint", "the weight fingerprints")
 
     def set_version(self, version: int) -> None:
         self._each(lambda s: self._post(s, "/update_weight_version", {"new_version": str(version)},

@@ -143,6 +143,23 @@ class WorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return engine.take_failure() if isinstance(engine, ExactReload) else None
 
+    def pace_fingerprint_updates(self) -> None:
+        """From the next update on, fingerprint what the model's loader receives (pace/fingerprint.py)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, ExactReload):
+            engine.fingerprinting = True
+
+    def pace_weight_fingerprint(self) -> dict | str | None:
+        """The fingerprints of this worker's last finished update (None: none since it started), or
+        one line saying why they do not describe the served model."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, ExactReload) or not engine.fingerprinting:
+            return "does not fingerprint its updates (not a checked weight-transfer engine, or not asked to)"
+        if engine.model is not self.model_runner.get_model():
+            return (f"loaded its updates into a {type(engine.model).__name__} that is not the model it serves "
+                    f"({type(self.model_runner.get_model()).__name__})")
+        return engine.fingerprint
+
 
 # --- the trainer side ----------------------------------------------------------------------
 
@@ -263,18 +280,29 @@ class CastSource(WeightSource):
     """The trainer's parameters as the engine loads them (pace/rollout/source.py): names without
     wrapper prefixes, each cast to the engine dtype on the trainer's device (a sharded DTensor keeps
     its sharding) and all-gathered if sharded (`full_tensor()`, a collective on every rank): no fp32
-    on the wire."""
+    on the wire. ``on_sent``: given the fingerprints of every tensor (pace/fingerprint.py) once a
+    pass has made them all, before it yields the last (trainer rank 0: before the engines finish)."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, on_sent=None):
         self.model = model
         self.dtype = dtype
+        self.on_sent = on_sent
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, self.dtype, tuple(p.shape)) for name, p in source.named_parameters(self.model)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in source.named_parameters(self.model):
-            yield name, source.engine_tensor(p, self.dtype)
+        from pace.fingerprint import Fingerprints
+
+        prints = Fingerprints() if self.on_sent is not None else None
+        params = list(source.named_parameters(self.model))
+        for i, (name, p) in enumerate(params):
+            tensor = source.engine_tensor(p, self.dtype)
+            if prints is not None:
+                prints.add(name, tensor)
+                if i == len(params) - 1:  # before the last yield: a consumer need not resume the generator
+                    self.on_sent(prints.prints)
+            yield name, tensor
 
 
 # The worker-side engine of each backend: vLLM's nccl and ipc engines and this module's shm engine,

@@ -24,6 +24,7 @@ import time
 import traceback
 from collections import deque
 
+from pace.fingerprint import SentWeights, StaleEngine
 from pace.pool import Pool
 from pace.pool.plugins import reads_pfs
 from pace.rollout import transfer
@@ -92,7 +93,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
                       "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0,
                       "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0,
-                      "orphaned_responses": 0}
+                      "orphaned_responses": 0, "weights_checked": 0}
         # rescore pooled prefixes after each update for policies that ask for the PFS (PACE, and any
         # policy under pool.record_effective: pace/pool/recording.py)
         self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
@@ -105,11 +106,16 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._val_next = 0 if cfg.eval.at_start else cfg.eval.every
         self._val = None  # (EvalRun, version, weights, start time) while one runs
         self.validated_version: int | None = None  # the last version whose validation was handed over
+        # the trainer's fingerprints of what it sent (pace/sync.py) and the first update found without them
+        self.sent_weights = SentWeights() if cfg.trainer.sync_fingerprint else None
+        self.stale: StaleEngine | None = None
 
     # --- called from the trainer thread (the weight-sync client of pace/rollout/transfer.py) --
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         """Before `start()`: connect the engines' weight-transfer backend."""
         self.engine.init_weight_transfer_engine(init_info)
+        if self.sent_weights is not None:
+            self.engine.fingerprint_updates()
         self._transfer_ready = True
 
     def post_update(self, version: int, update: dict) -> None:
@@ -334,6 +340,9 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         """After the weights of ``version`` loaded and were labelled: rescore, validate if due."""
         self.stats["syncs"] += 1
         self.engine_version = version
+        if self.sent_weights is not None and self.sent_weights.expects(version) and self.stale is None:
+            self.stale = self.sent_weights.judge(version, self.engine.fingerprints())  # the loop stops on it
+            self.stats["weights_checked"] += 1
         if self.engine.in_process:
             self.engine.reset_prefix_cache_if_idle()  # old entries are unreachable (salted); free them
         if self.prefix_tokens:

@@ -16,6 +16,8 @@
     stale_head   from the sync of θ_version on, the engine's tied output head keeps the kernels it
                  had (the defect of vLLM-CPU's in-place reload that pace/rollout/reload.py fixes);
                  needs the engine in this process (the default with one trainer process on CPU)
+    stale_engine from the sync of θ_version on, the engine loads the update before the one it is given
+                 and is labelled with the new version: one version behind (the shm backend: CPU)
 
 Everything else is the real run (engine, grader processes, trainer): train.py runs as the main
 script (runpy), so Hydra finds conf/ beside it; the grading function is picked by its module path.
@@ -122,6 +124,25 @@ def inject(kind: str, at: int) -> None:
             return end_update(self, version)
 
         EngineFleet.end_update = stale_end_update
+    elif kind == "stale_engine":
+        import atexit
+        import shutil
+
+        from pace.rollout.fleet import EngineFleet
+
+        update, kept = EngineFleet.update, []  # copies of the updates' slots, the last two
+
+        def late_update(self, version, update_info):
+            copy = dict(update_info, path=f"{update_info['path']}.late{len(kept) % 2}")
+            shutil.copyfile(update_info["path"], copy["path"])  # the slot is locked while it loads
+            atexit.register(lambda p=copy["path"]: os.path.exists(p) and os.unlink(p))
+            late = version is not None and version >= at and kept
+            kept.append(copy)
+            if late:
+                print(f"injected: θ_{version} labelled on the weights of the update before it", file=sys.stderr, flush=True)
+            return update(self, version, kept[-2] if late else update_info)
+
+        EngineFleet.update = late_update
     elif kind == "slow_first_batch":
         import time
 

@@ -193,6 +193,7 @@ def test_several_child_engines_take_weights_over_gloo_and_stay_on_policy(tiny_mo
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["processes"], summary["engine_process"], summary["status"]) == (processes, "child", "finished")
     assert summary["rollout"]["syncs"] == 3
+    assert summary["rollout"]["weights_checked"] == 3  # every worker's fingerprints (child processes) were the sent ones
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     mismatch = [m["mismatch/abs_logp_diff"] for m in metrics if "mismatch/abs_logp_diff" in m]
     assert len(mismatch) == 3 and max(mismatch) < 5e-6, mismatch  # float32 rounding: ~4e-7 measured

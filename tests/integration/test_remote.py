@@ -86,6 +86,8 @@ def test_a_run_on_two_servers(preset, servers, tiny_model_path, tmp_path):
     assert all(m["rollout/engines_alive"] == 2 for m in metrics)
     for e in range(2):  # each server took part in the weight syncs
         assert sum(m[f"rollout/sync_s/engine{e}"] for m in metrics) > 0
+    # every sync judged, θ_0's at the start included: each server's fingerprints (over HTTP) were the sent ones
+    assert summary["rollout"]["weights_checked"] == summary["rollout"]["syncs"]
     if preset == "pace_tiny":
         assert summary["rollout"]["rescored"] > 0  # PACE's prefix scoring ran on the servers
         return

@@ -1,0 +1,147 @@
+"""After every weight sync, the engines must hold the weights of the version they are labelled
+with: fingerprints of θ_v taken on both sides, in checkpoint coordinates, compared exactly.
+
+Why not the on-policy guard (pace/mismatch.py) alone: in bf16 its bound is 0.2 nats a token (the
+two sides' rounding gives ~5e-3), while an engine one version behind at lr 1e-6 differs by ~1e-3.
+A sync that changes nothing — a version label moved without weights, weights loaded into a model
+that does not serve, an update applied one version late — never trips it on a GPU. Why not a fixed
+probe whose engine log-probs must move with every version: an engine one version late moves too
+(θ_{v−1} ≠ θ_{v−2}), and a probe checked against the trainer needs a bf16 floor that hides the
+~1e-3 it looks for. A fingerprint needs neither: it compares bytes, so it is exact in any dtype
+and catches an engine that is any number of versions behind, or holds no update at all.
+
+What is compared. The trainer's side: each tensor as it is sent (`CastSource`: the parameter cast to
+the engine dtype, gathered whole; named as the checkpoint names it), on trainer rank 0's device.
+The engines' side: each tensor the serving model's `load_weights` receives during the update, on
+the engine worker's device, in every worker (each receives whole tensors and shards them itself);
+pace/rollout/reload.py takes them in the same wrapper whose names its audit reads, which every
+backend's receive path goes through (shm, gloo, nccl, ipc, in-process or not, HTTP servers). The
+worker also says whether that model is the one its runner serves. Fingerprints of what the engine
+*holds* after loading would need each model's loader inverted (fused qkv/gate_up projections,
+tensor-parallel shards, stacked MoE experts, CPU kernel repacking); what loading does after receipt
+is checked by the reload's audit (every layer got all its elements) and, in float32, by the
+on-policy guard. Only one integer a tensor crosses processes (`collective_rpc`, JSON for servers).
+
+The fingerprint of a tensor: its bytes read as int16 (uint8 for one-byte dtypes), each times a
+weight w_i = (i·A mod P) + 1 that depends on its position i (P = 32749, prime), summed exactly in
+integers: independent of device, reduction order and rounding. A change of any one element changes
+it (by δ·w_i ≠ 0); several changes, a transposed or a shifted tensor change it unless their terms
+cancel exactly (chance ~1/P or less). Cost: three elementwise passes over what is sent, on the
+device that holds it (~22 bytes of memory traffic an element) and one device sync a tensor: ~0.1 s
+a side per sync for an 8B model at an H100's bandwidth (an estimate: not yet run on a GPU); on CPU
+0.09 G elements/s on one thread (the tiny model: 1.5 ms a side per sync).
+
+A judged update with other weights, or none, stops the run after a checkpoint with one line
+(`StaleEngine`, a `SyncMismatch`). `trainer.sync_fingerprint` (default true) turns it off.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from pace.mismatch import SyncMismatch
+
+P = 32749  # prime below 2^15: |int16 · w| < 2^30, a chunk's sum < 2^52
+A = 40503
+CHUNK = P * 128  # a multiple of P: every chunk has the same weights (~4.2M elements, ~17 MB of int32)
+KEEP = 4  # versions of sent fingerprints kept (an engine found one is named by how far behind it is)
+
+_weights: dict[torch.device, torch.Tensor] = {}
+
+
+def _position_weights(device: torch.device) -> torch.Tensor:
+    w = _weights.get(device)
+    if w is None:
+        w = _weights[device] = (torch.arange(CHUNK, dtype=torch.int64, device=device) * A % P + 1).to(torch.int32)
+    return w
+
+
+def tensor_fingerprint(t: torch.Tensor) -> int:
+    """Σ_i bits_i · w_i over ``t``'s bytes as int16 (exact: the same integer on any device)."""
+    flat = t.detach().contiguous().reshape(-1)
+    raw = flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.view(torch.uint8)
+    if raw.numel() == 0:
+        return 0
+    w, sums = _position_weights(raw.device), []
+    for start in range(0, raw.numel(), CHUNK):
+        part = raw[start : start + CHUNK].to(torch.int32)
+        sums.append(part.mul_(w[: part.numel()]).sum(dtype=torch.int64))
+    return int(torch.stack(sums).sum())
+
+
+class Fingerprints:
+    """Fingerprints of one update's tensors by name, as they pass (either side)."""
+
+    def __init__(self):
+        self.prints: dict[str, int] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        value = tensor_fingerprint(tensor)
+        # a name received twice (in parts) cannot match the whole tensor's: kept as a mismatch
+        self.prints[name] = value if name not in self.prints else self.prints[name] + value + 1
+
+
+class StaleEngine(SyncMismatch):
+    """An engine labelled θ_v does not hold θ_v (its fingerprints are not the trainer's)."""
+
+    why = "engine weights are not the trainer's"
+
+
+def describe(version: int, expected: dict[str, int], got, sent: dict[int, dict[str, int]]) -> str | None:
+    """What is wrong with one engine worker's report ``got`` after the update labelled θ_version
+    (None: nothing). ``got``: its fingerprints by name, None (it received no update since it started),
+    or a one-line problem it found itself. ``sent``: the trainer's fingerprints of recent versions."""
+    if isinstance(got, str):
+        return f"is labelled θ_{version} but {got}"
+    if got is None:
+        return f"is labelled θ_{version} but has received no weights since it started: the label moved without a sync"
+    if got == expected:
+        return None
+    missing = [n for n in expected if n not in got]
+    differ = [n for n in expected if n in got and got[n] != expected[n]]
+    extra = [n for n in got if n not in expected]
+    parts = [f"{len(differ)} of {len(expected)} tensors differ from the trainer's (first: {differ[0]})" if differ else "",
+             f"{len(missing)} were not received (first: {missing[0]})" if missing else "",
+             f"{len(extra)} were received that it did not send (first: {extra[0]})" if extra else ""]
+    text = f"is labelled θ_{version} but holds other weights: {'; '.join(p for p in parts if p)}"
+    same = [v for v, prints in sent.items() if v != version and prints == got]
+    if same:
+        behind = version - max(same)
+        text += (f"; they are θ_{max(same)}'s: the engine is {behind} version{'s' if behind != 1 else ''} behind"
+                 if behind > 0 else f"; they are θ_{max(same)}'s")
+    return text
+
+
+class SentWeights:
+    """The trainer's fingerprints of the last `KEEP` versions it sent (set by the trainer thread),
+    and the judgement of each engine update against them (the rollout thread)."""
+
+    def __init__(self, keep: int = KEEP):
+        self.keep = keep
+        self._sent: dict[int, dict[str, int]] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, version: int, prints: dict[str, int]) -> None:
+        with self._lock:
+            self._sent[version] = dict(prints)
+            for v in sorted(self._sent)[: -self.keep]:
+                del self._sent[v]
+
+    def expects(self, version: int) -> bool:
+        """Whether θ_version was sent with fingerprints (only such updates are judged)."""
+        with self._lock:
+            return version in self._sent
+
+    def judge(self, version: int, reports: list) -> StaleEngine | None:
+        """``reports``: each engine worker's fingerprints after the update labelled θ_version."""
+        with self._lock:
+            sent = dict(self._sent)
+        for i, got in enumerate(reports):
+            problem = describe(version, sent[version], got, sent)
+            if problem is not None:
+                return StaleEngine(f"rollout engine worker {i} {problem} (weight fingerprints after the sync of "
+                                   f"θ_{version}; trainer.sync_fingerprint)")
+        if not reports:
+            return StaleEngine(f"no rollout engine reported fingerprints after the sync of θ_{version}")
+        return None

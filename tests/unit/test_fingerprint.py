@@ -1,0 +1,155 @@
+"""pace/fingerprint.py: the exact fingerprint of a tensor, the judgement of an engine's report after
+a sync, and both sides' taking of them (the trainer's `CastSource`, the engine's checked reload).
+The run-level proof (a bf16 engine one version behind stops the run; a correct one is silent) is
+tests/integration/test_stale_engine.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pace import fingerprint as fp
+
+pytestmark = pytest.mark.unit
+
+
+def _reference(t: torch.Tensor) -> int:
+    """The definition in numpy int64 (exact: |terms| < 2^30, fewer than 2^33 of them): Σ_i int16_i · ((i·A mod P) + 1)."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.int16).numpy().astype(np.int64)
+    i = np.arange(raw.size, dtype=np.int64)
+    return int((raw * ((i * fp.A) % fp.P + 1)).sum())
+
+
+def test_the_fingerprint_is_the_definition_exactly_across_chunks():
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(fp.CHUNK + 1000, generator=gen).to(torch.bfloat16)  # two chunks
+    assert fp.tensor_fingerprint(big) == _reference(big)
+    small = torch.randn(3, 5, generator=gen)  # float32: two int16 halves per element
+    assert fp.tensor_fingerprint(small) == _reference(small)
+    assert fp.tensor_fingerprint(torch.empty(0, dtype=torch.bfloat16)) == 0
+    assert fp.tensor_fingerprint(torch.tensor([1, 2, 3], dtype=torch.uint8)) == 1 * 1 + 2 * (fp.A % fp.P + 1) + 3 * (2 * fp.A % fp.P + 1)
+
+
+def test_one_bf16_ulp_anywhere_a_transpose_or_a_shift_changes_it_and_the_layout_does_not():
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(64, 48, generator=gen) * 0.02).to(torch.bfloat16)
+    base = fp.tensor_fingerprint(w)
+    assert fp.tensor_fingerprint(w.t().contiguous().t()) == base  # same values, another memory layout
+    for index in [(0, 0), (17, 33), (63, 47)]:
+        moved = w.clone()
+        moved.view(torch.int16)[index] += 1  # the next bf16 value away from zero: one ulp
+        assert moved[index] != w[index]
+        assert fp.tensor_fingerprint(moved) != base, index
+    assert fp.tensor_fingerprint(w.t()) != base
+    assert fp.tensor_fingerprint(torch.roll(w, 1)) != base
+    big = torch.zeros(fp.CHUNK + 10, dtype=torch.bfloat16)
+    big[fp.CHUNK + 5] = 1.0  # in the second chunk
+    assert fp.tensor_fingerprint(big) != 0
+
+
+def _prints(scale: float) -> dict[str, int]:
+    return {"a.weight": int(100 * scale), "b.weight": int(200 * scale), "c.bias": 7}
+
+
+SENT = {3: _prints(1), 4: _prints(2), 5: _prints(3)}
+
+
+def _sent(versions=SENT) -> fp.SentWeights:
+    sent = fp.SentWeights()
+    for v, prints in versions.items():
+        sent.expect(v, prints)
+    return sent
+
+
+def test_a_worker_with_the_sent_weights_passes_and_every_worker_is_judged():
+    sent = _sent()
+    assert sent.judge(5, [_prints(3), _prints(3)]) is None
+    failure = sent.judge(5, [_prints(3), _prints(2)])
+    assert isinstance(failure, fp.StaleEngine) and str(failure).startswith("rollout engine worker 1 ")
+    assert isinstance(failure, fp.SyncMismatch) and failure.why == "engine weights are not the trainer's"
+
+
+def test_an_engine_a_version_behind_is_named_with_how_far():
+    assert str(_sent().judge(5, [_prints(2)])) == (
+        "rollout engine worker 0 is labelled θ_5 but holds other weights: 2 of 3 tensors differ from the trainer's "
+        "(first: a.weight); they are θ_4's: the engine is 1 version behind (weight fingerprints after the sync "
+        "of θ_5; trainer.sync_fingerprint)")
+    assert "they are θ_3's: the engine is 2 versions behind" in str(_sent().judge(5, [_prints(1)]))
+
+
+def test_no_update_a_problem_the_worker_found_and_missing_or_extra_tensors_are_each_named():
+    sent = _sent()
+    assert "is labelled θ_5 but has received no weights since it started: the label moved without a sync" in str(
+        sent.judge(5, [None]))
+    assert "is labelled θ_5 but loaded its updates into a X" in str(sent.judge(5, ["loaded its updates into a X"]))
+    partial = {k: v for k, v in _prints(3).items() if k != "b.weight"} | {"z.weight": 1}
+    text = str(sent.judge(5, [partial]))
+    assert "1 were not received (first: b.weight); 1 were received that it did not send (first: z.weight)" in text
+    assert "differ" not in text and "behind" not in text
+    assert "no rollout engine reported" in str(sent.judge(5, []))
+
+
+def test_only_the_last_versions_are_kept_and_only_sent_versions_are_judged():
+    sent = fp.SentWeights(keep=2)
+    for v in range(5):
+        sent.expect(v, _prints(v + 1))
+    assert [sent.expects(v) for v in range(6)] == [False, False, False, True, True, False]
+    assert "behind" not in str(sent.judge(4, [_prints(1)]))  # θ_0's were dropped: not named
+    assert "θ_3's: the engine is 1 version behind" in str(sent.judge(4, [_prints(4)]))
+
+
+def test_the_trainer_side_fingerprints_what_it_yields_before_the_last_tensor_leaves():
+    from pace.rollout.transfer import CastSource
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    got = []
+    src = CastSource(model, torch.bfloat16, on_sent=got.append)
+    it = iter(src)
+    pairs = [next(it) for _ in range(4)]  # the consumer never resumes the generator after the last
+    assert len(got) == 1
+    assert got[0] == {name: fp.tensor_fingerprint(t) for name, t in pairs}
+    assert got[0]["0.weight"] == fp.tensor_fingerprint(model[0].weight.detach().to(torch.bfloat16))
+    assert list(CastSource(model, torch.bfloat16)) and len(got) == 1  # without on_sent: nothing taken
+
+
+def test_the_checked_engine_fingerprints_what_its_loader_received_once_asked():
+    from tests.unit.test_reload_checks import FULL, _Engine, _Toy, _update
+
+    from pace.rollout import reload
+
+    engine = reload.checked(_Engine)(_Toy())
+    _update(engine.model, FULL, engine)
+    assert engine.fingerprint is None  # not asked
+    engine.fingerprinting = True
+    _update(engine.model, FULL, engine)
+    assert engine.fingerprint == {name: fp.tensor_fingerprint(t) for name, t in FULL.items()}
+    first = engine.fingerprint
+    moved = _Listed(FULL, **{"mid.bias": FULL["mid.bias"] + 1})
+    _update(engine.model, moved, engine)  # the loader given a list, as nccl's and ipc's engines give it
+    assert engine.fingerprint != first and engine.fingerprint["mid.bias"] == fp.tensor_fingerprint(moved["mid.bias"])
+    assert torch.equal(engine.model.mid.bias, moved["mid.bias"])  # and the list still loaded
+
+
+class _Listed(dict):
+    def items(self):
+        return list(super().items())
+
+
+def test_a_worker_reports_its_fingerprints_only_when_asked_and_only_for_the_model_it_serves():
+    from types import SimpleNamespace
+
+    from tests.unit.test_reload_checks import FULL, _Engine, _Toy, _update
+
+    from pace.rollout import reload
+    from pace.rollout.transfer import WorkerExtension
+
+    engine = reload.checked(_Engine)(_Toy())
+    worker = SimpleNamespace(weight_transfer_engine=engine, model_runner=SimpleNamespace(get_model=lambda: engine.model))
+    assert WorkerExtension.pace_weight_fingerprint(worker).startswith("does not fingerprint its updates")
+    WorkerExtension.pace_fingerprint_updates(worker)
+    assert WorkerExtension.pace_weight_fingerprint(worker) is None  # asked, no update yet
+    _update(engine.model, FULL, engine)
+    assert WorkerExtension.pace_weight_fingerprint(worker) == {n: fp.tensor_fingerprint(t) for n, t in FULL.items()}
+    worker.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Linear(1, 1))  # it serves another model
+    assert WorkerExtension.pace_weight_fingerprint(worker) == (
+        "loaded its updates into a _Toy that is not the model it serves (Linear)")
