@@ -56,6 +56,10 @@ TINY_MOE = dict(TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_siz
 # (prompt, response) tokens of the step's sequence: the presets' micro-batch budget, 24,576 tokens
 LENGTHS = {"fsdp": (2048, 22_528), "pure": (2048, 22_528), "moe": (1024, 7168)}
 TINY_LENGTHS = {"fsdp": (64, 704), "pure": (64, 704), "moe": (32, 224)}
+# the chunked = full check's row: the full path's logits of 24,576 tokens would take ~69 GB
+# (pace.algo.memory_budget.full_logprobs_bytes), so it runs on a 4,096-token row
+AGREE_LENGTHS, TINY_AGREE_LENGTHS = (256, 3840), (32, 224)
+PEAK_LIMIT_GIB = 74.0  # an H100's ~78 GiB less the CUDA context, NCCL and the allocator's slack (tested)
 PRESETS = {"fsdp": "pace_qwen3_8b", "pure": "pace_qwen3_8b", "moe": "pace_qwen3_30b_a3b"}
 
 
@@ -107,6 +111,32 @@ def trainer_config(preset: str, model_path: str, tiny: bool):
     if tiny:
         cfg.trainer.logprob_chunk, cfg.trainer.max_tokens_per_micro_batch = 64, 1024
     return cfg
+
+
+def predicted_peak(case: str, layers: int = 4, tiny: bool = False) -> dict[str, float]:
+    """The case's peak GPU memory (GiB) by pace/algo/memory_budget.py for its shapes, by phase:
+    the states (fp32 weights, gradients and AdamW moments; bf16 in ``pure``), a training step's
+    forward and backward above them, AdamW's foreach step, and (``fsdp``) the no-grad chunked =
+    full check (weights and moments; gradients freed). "peak" is the largest."""
+    from pace.algo import memory_budget as mb
+
+    arch = {**(QWEN3_30B_A3B if case == "moe" else QWEN3_8B), **((TINY_MOE if case == "moe" else TINY) if tiny else {})}
+    shapes = mb.Shapes.of({**arch, "num_hidden_layers": 2 if case == "moe" or tiny else layers})
+    cfg = trainer_config(PRESETS[case], "", tiny)
+    compute = cfg.model.dtype
+    master = mb.BYTES[compute] if case == "pure" else mb.BYTES[cfg.trainer.master_dtype]
+    reduce = compute if case == "pure" else cfg.trainer.reduce_dtype
+    params = shapes.params()
+    prompt, response = (TINY_LENGTHS if tiny else LENGTHS)[case]
+    step = mb.step_bytes(shapes, prompt + response, response, cfg.trainer.logprob_chunk, compute,
+                         cfg.model.gradient_checkpointing, fsdp=True, reduce=reduce)
+    states = mb.states_bytes(params, 1, master)
+    out = {"states": states, "step": states + step["total"], "optimizer": mb.optimizer_bytes(params, 1, master)}
+    if case == "fsdp":
+        prompt, response = TINY_AGREE_LENGTHS if tiny else AGREE_LENGTHS
+        out["agreement"] = states * 3 // 4 + mb.full_logprobs_bytes(shapes, prompt + response, response, compute)
+    out = {k: v / mb.GIB for k, v in out.items()}
+    return {**out, "peak": max(out.values())}
 
 
 # --- the parent: models, launches, checks -------------------------------------------------------
@@ -184,6 +214,12 @@ def checks(results: list[dict]) -> list[tuple[str, bool, str]]:
         lambda r: f"{100 * r['changed_layers']:.2f}% of layer weights moved (bf16 weights and AdamW)")
     row("MoE step", "moe", "step", lambda r: r["finite"] and r["changed_layers"] > 0.5,
         lambda r: f"{r['tokens']:,} tokens: loss {r['loss']:.4f}, {100 * r['changed_layers']:.2f}% moved, peak {r.get('peak_gib', float('nan')):.1f} GiB, {r['seconds']:.1f} s")
+    for case in ("fsdp", "pure", "moe"):
+        row(f"{case}: peak memory ≤ {PEAK_LIMIT_GIB:.0f} GiB", case, "memory",
+            lambda r: r["predicted"]["peak"] <= r["limit_gib"] and (r["measured_gib"] is None or r["measured_gib"] <= r["limit_gib"]),
+            lambda r: f"predicted {r['predicted']['peak']:.1f} GiB (states {r['predicted']['states']:.1f}, step "
+                      f"{r['predicted']['step']:.1f}, AdamW {r['predicted']['optimizer']:.1f}), measured "
+                      + ("– (CPU)" if r["measured_gib"] is None else f"{r['measured_gib']:.1f}"))
     row("MoE engine weights = checkpoint", "moe", "source", lambda r: r["names_equal"] and r["bits_equal"],
         lambda r: f"{r['fused']} fused expert tensors = the checkpoint's per-expert ones; {r['seconds']:.2f} s")
     return rows
@@ -293,6 +329,9 @@ def moved(before: dict, model) -> tuple[float, float]:
     return tuple(c / max(t, 1) for c, t in counts.values())
 
 
+PEAKS: list[float] = []  # this case's measured peaks (GiB): every step's, the agreement check's
+
+
 def timed_step(trainer, batch, cuda: bool) -> dict:
     import math
 
@@ -353,6 +392,13 @@ def engine_view(case: str, trainer, model_path: str, cuda: bool) -> None:
 
 
 def child(args) -> None:
+    """One case, then its peak memory: predicted (pace.algo.memory_budget) and, on a GPU, measured."""
+    run_case(args)
+    emit(args.case, "memory", predicted=predicted_peak(args.case, args.layers, args.tiny),
+         measured_gib=max(PEAKS) if PEAKS else None, limit_gib=PEAK_LIMIT_GIB)
+
+
+def run_case(args) -> None:
     import torch
 
     from pace.algo.trainer import DAPOTrainer, build_loss
@@ -392,19 +438,24 @@ def child(args) -> None:
     if case != "fsdp":
         return
 
-    # chunked (the trainer's) vs full-vocabulary log-probs, on the same micro-batch
-    pairs = [(g.prompt_ids, t) for g in batch.groups for t in g.trajectories]
+    # chunked (the trainer's) vs full-vocabulary log-probs, on a shorter row of its own (AGREE_LENGTHS)
+    agree = batch_of(trainer, *(TINY_AGREE_LENGTHS if args.tiny else AGREE_LENGTHS), vocab, seed=2)
+    pairs = [(g.prompt_ids, t) for g in agree.groups for t in g.trajectories]
     b = trainer._collate(pairs)
     model.eval()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
         from pace.algo.logprobs import response_logprobs
 
         chunked, _ = response_logprobs(model, b, 1.0, cfg.trainer.logprob_chunk, decoder=trainer._decoder, head=trainer._head)
         full, _ = response_logprobs(model, b, 1.0, None)
     model.train()
+    if cuda:
+        PEAKS.append(torch.cuda.max_memory_allocated() / 2**30)
     diff = (chunked.float() - full.float()).abs()
     emit(case, "agreement", max_abs=float(diff.max()), mean_abs=float(diff.mean()), tokens=int(diff.numel()))
-    del chunked, full, diff, b
+    del chunked, full, diff, b, agree
 
     for what, changes in (("m2po", {"name": "m2po"}), ("proximal", {"name": "dapo", "ratio_ref": "proximal"})):
         trainer.cfg.algo = dataclasses.replace(cfg.algo, **changes)  # what DAPOTrainer.__init__ derives from cfg.algo
