@@ -1,6 +1,6 @@
 """The trainer side of a paper run, checked on one GPU before a cluster is booked (issue #30).
 
-    python scripts/gpu_smoke.py            # one H200-class GPU, ≤ 8 minutes (not yet run: README)
+    python scripts/gpu_smoke.py            # one H100 or H200, ≤ 8 minutes by estimate (not yet run: README)
     python scripts/gpu_smoke.py --tiny     # CPU, tiny models, ~1 minute (the test suite runs this)
 
 Needs only torch (2.11+), transformers (5.17+) and accelerate: no vLLM, no Hydra, no model hub. It
@@ -15,13 +15,19 @@ over a gloo group of one (Accelerate picks FSDP only on accelerators), as tests/
   train.py builds it): fp32 shards and bf16 compute; the engine's view of the weights (the weight
   sync's cast-and-gather, pace/rollout/source.py) against the HF checkpoint, names, shapes and bits,
   and its time; one DAPO step on a 24,576-token sequence (a 22,528-token response): finite loss, the
-  weights moved at lr 1e-6, peak memory; chunked vs full log-probs; an `algo=m2po` and an
+  weights moved at lr 1e-6, peak memory; chunked vs full log-probs on a 4,096-token row of its own
+  (the full path's logits of the 24,576-token row would not fit an H100); an `algo=m2po` and an
   `algo.ratio_ref=proximal` step; `SHARDED_STATE_DICT` save, a step, load: bit-exact weights and AdamW.
 - ``pure``: the same step without mixed precision (bf16 weights and AdamW state, what train.py's
   `mixed_precision` prevents on GPUs): the update rounds away on nearly every weight.
 - ``moe``: the 30B-A3B-shaped model with +exp=pace_qwen3_30b_a3b's settings: one step, and its
   experts as the engine receives them (transformers 5's fused [E, 2I, H] / [E, H, I], which vLLM's
   FusedMoE loads) equal to the checkpoint's per-expert tensors.
+
+Each case's peak memory is predicted for its shapes by pace/algo/memory_budget.py (`predicted_peak`:
+41.9 / 26.5 / 36.9 GiB for fsdp / pure / moe with the default `--layers 4`; tests/unit/
+test_memory_budget.py holds them to 74 GiB, what an H100 leaves) and, on a GPU, compared with the
+largest `torch.cuda.max_memory_allocated` of the case: a table row each.
 
 Prints one `SMOKE {json}` line per measurement as it goes, then a table of the checks; exit status 1
 if any fails.
@@ -158,7 +164,17 @@ def write_model(path: Path, arch: dict, layers: int, tiny: bool) -> Path:
 
 def launch(case: str, model: Path, work: Path, tiny: bool) -> list[dict]:
     """Run one case in its own process and collect its SMOKE lines (echoed as they come)."""
-    args = [str(Path(__file__).resolve()), "--case", case, "--model", str(model), "--work", str(work)] + (["--tiny"] if tiny else [])
+    args = ["--case", case, "--model", str(model), "--work", str(work)] + (["--tiny"] if tiny else [])
+    out = run_child(Path(__file__).resolve(), args, tiny, "no" if case == "pure" else "bf16", "SMOKE ")
+    return [{"case": case, **r} if "failed" in r else r for r in out]
+
+
+def run_child(script: Path, args: list[str], tiny: bool, mixed: str, prefix: str) -> list:
+    """Run ``script`` in a process of its own as train.py runs (GPU: `accelerate launch` with
+    conf/accelerate/fsdp.yaml and one process; CPU: a gloo world of one, as torchrun sets it up) and
+    return the JSON of its lines that start with ``prefix`` (echoed as they come), and {"failed": ...}
+    if it exited with an error."""
+    args = [str(script), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if tiny:  # a gloo world of one, as torchrun would set it up
         with socket.socket() as s:
@@ -168,19 +184,18 @@ def launch(case: str, model: Path, work: Path, tiny: bool) -> list[dict]:
                    MASTER_PORT=str(port), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"))
         cmd = [sys.executable, *args]
     else:
-        mixed = "no" if case == "pure" else "bf16"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_YAML), "--num_processes", "1",
                "--mixed_precision", mixed, *args]
     out, tail = [], []
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         tail = (tail + [line])[-40:]
-        if line.startswith("SMOKE "):
-            out.append(json.loads(line[6:]))
+        if line.startswith(prefix):
+            out.append(json.loads(line[len(prefix):]))
             print(line, end="", flush=True)
     if proc.wait() != 0:
         print("".join(tail), file=sys.stderr)
-        out.append({"case": case, "failed": f"exit status {proc.returncode}"})
+        out.append({"failed": f"exit status {proc.returncode}"})
     return out
 
 
@@ -295,19 +310,23 @@ def fsdp_plugin(path: Path = FSDP_YAML):
     return FullyShardedDataParallelPlugin(**kwargs)
 
 
-def batch_of(trainer, prompt: int, response: int, vocab: int, seed: int = 1):
-    """One group of one random sequence; behaviour log-probs = the current policy's (ratio 1)."""
+def batch_of(trainer, prompt: int, response: int, vocab: int, seed: int = 1, rows: int = 1):
+    """One group of ``rows`` random sequences (one prompt); behaviour log-probs = the current
+    policy's (ratio 1)."""
+    import numpy as np
     import torch
 
     from pace.records import Batch, Group, Trajectory
 
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (prompt + response,), generator=gen).tolist()
-    traj = Trajectory(ids[prompt:], [0.0] * response, [0] * response, 0, "stop", advantage=1.0)
-    pairs = [(ids[:prompt], traj)]
+    ids = torch.randint(1, vocab, (prompt + rows * response,), generator=gen).tolist()
+    trajs = [Trajectory(ids[prompt + i * response : prompt + (i + 1) * response], [0.0] * response, [0] * response, 0,
+                        "stop", advantage=1.0) for i in range(rows)]
+    pairs = [(ids[:prompt], traj) for traj in trajs]
     for _, _, logp in trainer._score([pairs]):
-        traj.logprobs[:] = logp.float().cpu().numpy()
-    return Batch(step=0, groups=[Group(0, "smoke", ids[:prompt], "", 0, [traj])])
+        for traj, part in zip(trajs, np.split(logp.float().cpu().numpy(), rows)):
+            traj.logprobs[:] = part
+    return Batch(step=0, groups=[Group(0, "smoke", ids[:prompt], "", 0, trajs)])
 
 
 def local_shards(model) -> dict:
