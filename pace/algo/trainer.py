@@ -151,8 +151,10 @@ class DAPOTrainer:
         # with fp32 zeros of the whole model first (cpu_ram_efficient_loading), 122 GB a rank for the
         # 30B-A3B; in the checkpoint's bf16 half that, and only rank 0 ever holds an fp32 copy.
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", **kwargs)
-        if not (accelerator.is_fsdp2 and mixed) and {p.dtype for p in model.parameters()} != {dtype}:
-            model.to(dtype)
+        if not (accelerator.is_fsdp2 and mixed):
+            for p in model.parameters():  # parameters only, as Accelerate's upcast: buffers (rotary) stay as loaded
+                if p.dtype != dtype:
+                    p.data = p.data.to(dtype)
         if getattr(model.config, "final_logit_softcapping", None):
             raise ValueError(f"{model_path}: final_logit_softcapping is not applied by the trainer's log-prob path")
         if cfg.model.gradient_checkpointing:

@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
     from pace.algo.trainer import DAPOTrainer
     from pace.config import Config
 
-    path, fsdp = sys.argv[1], sys.argv[2] == "fsdp"
+    path, mode = sys.argv[1], sys.argv[2]
     loaded = []
     load = AutoModelForCausalLM.from_pretrained
     def recording(*args, **kwargs):
@@ -58,14 +58,17 @@ SCRIPT = textwrap.dedent("""
     AutoModelForCausalLM.from_pretrained = recording
     cfg = OmegaConf.structured(Config)
     cfg.model.dtype, cfg.trainer.warmup_steps = "bfloat16", 0
-    if fsdp:  # conf/accelerate/fsdp.yaml's FSDP2 plugin and bf16 mixed precision, as on a GPU
+    if mode == "fsdp":  # conf/accelerate/fsdp.yaml's FSDP2 plugin and bf16 mixed precision, as on a GPU
         acc = gpu_smoke.accelerator("fsdp", "bfloat16", tiny=True)
     else:
         from accelerate import Accelerator
-        acc = Accelerator(cpu=True, mixed_precision="bf16")
+        acc = Accelerator(cpu=True, mixed_precision="bf16" if mode == "ddp" else "no")
     trainer = DAPOTrainer(path, cfg, acc)
-    moments = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
-    print(json.dumps({"loaded": loaded, "fsdp2": acc.is_fsdp2, "trained": sorted({str(p.dtype) for p in trainer.model.parameters()})}))
+    reference = load(path, dtype=torch.bfloat16)  # the buffers (rotary frequencies) as a direct load makes them
+    buffers = dict(acc.unwrap_model(trainer.model).named_buffers())
+    print(json.dumps({"loaded": loaded, "fsdp2": acc.is_fsdp2, "trained": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+                      "buffers_as_loaded": all(torch.equal(b, buffers[n]) and b.dtype == buffers[n].dtype
+                                               for n, b in reference.named_buffers())}))
 """)
 
 
@@ -80,15 +83,27 @@ def bf16_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("path", ["fsdp", "ddp"])
 def test_a_bf16_checkpoint_is_loaded_in_bf16_and_trained_in_fp32(bf16_checkpoint, path):
+    got = _load(str(bf16_checkpoint), path)
+    assert got["fsdp2"] == (path == "fsdp")
+    assert got["loaded"] == ["torch.bfloat16"]  # the checkpoint's dtype: no fp32 copy made while loading
+    assert got["trained"] == ["torch.float32"]  # fp32 master weights (FSDP2: Accelerate's upcast in prepare)
+    assert got["buffers_as_loaded"]
+
+
+def test_an_fp32_checkpoint_trained_in_bf16_keeps_its_fp32_rotary_buffers(tiny_model_path):
+    """Without mixed precision (model.dtype=bfloat16 on CPU) the parameters are cast, not the
+    buffers: `model.to(bf16)` would round the rotary frequencies, which a bf16 load keeps in fp32."""
+    got = _load(tiny_model_path, "pure")
+    assert got["loaded"] == ["torch.float32"] and got["trained"] == ["torch.bfloat16"] and got["buffers_as_loaded"]
+
+
+def _load(checkpoint: str, path: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(bf16_checkpoint), path], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, checkpoint, path], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["fsdp2"] == (path == "fsdp")
-    assert got["loaded"] == ["torch.bfloat16"]  # the checkpoint's dtype: no fp32 copy made while loading
-    assert got["trained"] == ["torch.float32"]  # fp32 master weights (FSDP2: Accelerate's upcast in prepare)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
