@@ -6,7 +6,9 @@ Each rank holds its share of the weights, gradients and AdamW's two moments, and
 `dp_shard_size`), or whole on every rank without FSDP. A run whose ranks cannot hold that would die
 at its first optimizer step, after the engines' start and the first batch (~30 minutes for the
 30B-A3B). This refuses it in one line naming the numbers and the keys to change. Activations come
-on top (memory_budget.step_bytes), so passing is necessary, not sufficient.
+on top, so passing is necessary, not sufficient: rank 0 also warns (without stopping) when the
+states and memory_budget.step_bytes's estimate of a `trainer.max_tokens_per_micro_batch` micro-batch
+exceed the device.
 
 The device's memory: `trainer.device_memory_gib` when set; else on CUDA the GPU's total
 (`torch.cuda.mem_get_info`), less the colocated engine's share (`rollout.gpu_memory_utilization`
@@ -78,7 +80,13 @@ def check_memory(cfg, model_path: str, accelerator, device: str) -> None:
             f"{where}); a device has {_size(memory)} ({source})")
     if need <= memory:
         if accelerator.is_main_process:
-            print(f"memory: {line}; activations come on top", file=sys.stderr, flush=True)
+            print(f"memory: {line}", file=sys.stderr, flush=True)
+            step = step_estimate(cfg, model_path, holder == "FSDP2")
+            peak = None if step is None else mb.states_bytes(params, shards, master) + step
+            if peak is not None and peak > memory:
+                print(f"warning: by estimate (pace/algo/memory_budget.py) a rank peaks at {_size(peak)} in a micro-batch of "
+                      f"trainer.max_tokens_per_micro_batch={cfg.trainer.max_tokens_per_micro_batch} tokens, above its "
+                      f"{_size(memory)}: lower it, or shard over more processes", file=sys.stderr, flush=True)
         return
     more = -(-mb.optimizer_bytes(params, 1, master) // memory) if holder == "FSDP2" else None
     fix = (f"shard over >= {more} processes (accelerate launch --num_processes, conf/accelerate/fsdp_8gpu.yaml for 8; "
@@ -86,6 +94,23 @@ def check_memory(cfg, model_path: str, accelerator, device: str) -> None:
            f"(fsdp_offload_params: true)" if more else "run under FSDP2 (accelerate launch --config_file "
            "conf/accelerate/fsdp.yaml)")
     raise ConfigError(f"{line}: {fix}; trainer.device_memory_gib overrides the device's size")
+
+
+def step_estimate(cfg, model_path: str, fsdp: bool) -> int | None:
+    """A micro-batch's activations and temporaries above the states (memory_budget.step_bytes) at the
+    token budget, one row; None without a budget or chunked log-probs, or for a config whose shapes
+    memory_budget.Shapes cannot read."""
+    tokens, chunk = cfg.trainer.max_tokens_per_micro_batch, cfg.trainer.logprob_chunk
+    if tokens is None or chunk is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        shapes = mb.Shapes.of(AutoConfig.from_pretrained(model_path))
+        return mb.step_bytes(shapes, tokens, tokens, chunk, cfg.model.dtype, cfg.model.gradient_checkpointing,
+                             fsdp=fsdp, reduce=cfg.trainer.reduce_dtype)["total"]
+    except (TypeError, AttributeError):  # not a decoder of the layout it knows
+        return None
 
 
 def _size(nbytes: int) -> str:

@@ -89,3 +89,16 @@ def test_the_30b_a3b_fits_8_gpus_of_either_card_but_not_the_yamls_4_h200s(qwen3_
     for card in (H100_GIB, H200_GIB):
         check_memory(_cfg(card), qwen3_30b_a3b, _accelerator(8), "cuda")
     assert "need 71.1 GiB a rank" in capsys.readouterr().err
+
+
+def test_a_step_estimate_above_the_device_warns_without_stopping(qwen3_30b_a3b, capsys):
+    """The 30B-A3B on 8 ranks: 71.1 GiB at AdamW's step passes a 72 GiB device, but its states
+    (56.9) and a 24,576-token micro-batch (~17.4 by memory_budget.step_bytes) do not fit it."""
+    cfg = _cfg(72.0)
+    cfg.model.gradient_checkpointing, cfg.trainer.max_tokens_per_micro_batch = True, 24_576
+    check_memory(cfg, qwen3_30b_a3b, _accelerator(8), "cuda")
+    err = capsys.readouterr().err
+    assert "warning: by estimate" in err and "peaks at 74.3 GiB" in err and "trainer.max_tokens_per_micro_batch=24576" in err
+    cfg.trainer.device_memory_gib = 80.0
+    check_memory(cfg, qwen3_30b_a3b, _accelerator(8), "cuda")
+    assert "warning" not in capsys.readouterr().err
