@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
