@@ -227,6 +227,10 @@ class TrainerConfig:
     # gradient reduce-scatter dtype. Ignored without mixed precision (CPU: model.dtype throughout).
     master_dtype: str = "float32"
     reduce_dtype: str = "float32"
+    # Memory of one trainer device (GiB) that the start-up check holds the trainer's weights,
+    # gradients and AdamW state to (pace/algo/memory_check.py). null: the GPU's total (less a colocated
+    # engine's share); on CPU no check.
+    device_memory_gib: Optional[float] = None
     cpu_threads: int = 1  # torch intra-op threads of the trainer on CPU
     # Timeouts of the waits between trainer processes (pace/control.py): the trainer's collectives
     # (null: torch's default, 10 min for NCCL, 30 for gloo), and the stop/go decisions and barriers
@@ -430,6 +434,8 @@ def validate(cfg: DictConfig) -> None:
                           f"pool.name={cfg.pool.name} takes its settings from its own keys")
     if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:
         raise ConfigError("pool.name=sync trains on-policy: it needs rollout.sync_every=1")
+    if cfg.trainer.device_memory_gib is not None and not cfg.trainer.device_memory_gib > 0:
+        raise ConfigError(f"trainer.device_memory_gib must be > 0 or null, got {cfg.trainer.device_memory_gib}")
     if cfg.trainer.dist_timeout_s is not None and cfg.trainer.dist_timeout_s <= 0:
         raise ConfigError(f"trainer.dist_timeout_s must be > 0 or null, got {cfg.trainer.dist_timeout_s}")
     if cfg.rollout.placement == "colocate" and cfg.rollout.weight_transfer == "nccl":

@@ -1,207 +1,190 @@
-"""The trainer's memory and speed at the paper's lengths, on one GPU (issue #17).
+"""The presets' trainer at the paper's lengths, on one GPU: memory and speed.
 
-    python scripts/bench_trainer_gpu.py            # one H200/H100-class GPU, ≤ 8 minutes
-    python scripts/bench_trainer_gpu.py --tiny     # CPU, a tiny model, seconds (the test suite runs this)
+    python scripts/bench_trainer_gpu.py              # one H200-class GPU, ≤ 8 minutes by estimate (not yet run: docs/gpu.md)
+    python scripts/bench_trainer_gpu.py --layers 24  # an H100: the 36-layer 4B's AdamW step alone is ~75 of its ~78 GiB
+    python scripts/bench_trainer_gpu.py --tiny       # CPU, a tiny model, ~1 minute (the test suite runs this)
 
-Needs only torch (2.11+), transformers (5.17+) and accelerate: no vLLM, no model hub. The model is
-Qwen3-4B-shaped (36 layers, hidden 2560, vocabulary 151,936, tied embeddings), initialised at random
-in bf16 from a config written here, with gradient checkpointing as the presets train it.
+Needs only torch (2.11+), transformers (5.17+) and accelerate: no vLLM, no Hydra, no model hub. The
+trainer is the one `train.py` builds for `+exp=pace_qwen3_4b` (`DAPOTrainer` with that preset's model,
+algo and trainer settings, read from conf/exp/ by scripts/gpu_smoke.py's reader), in a process of its
+own under `accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 1`: FSDP2 from
+the yaml, bf16 mixed precision with fp32 master weights and AdamW state, gradient checkpointing,
+log-probs in chunks of `trainer.logprob_chunk` (pace/algo/logprobs.py). On CPU (`--tiny`) the yaml's
+plugin over a gloo group of one, as gpu_smoke.py does. The model is Qwen3-4B-shaped (hidden 2560,
+vocabulary 151,936, tied embeddings; `--layers` of its 36), random, saved in bf16.
 
-1. One forward+backward of one 8k / 16k / 32k-token sequence (256 prompt tokens, the rest
-   response) with the new log-prob path (pace.algo.logprobs: response positions only, chunks of
-   `--chunk` positions recomputed in backward) and then the old one (full-vocabulary float32 logits
-   of every position, `log_softmax`, entropy from its `exp`: the trainer before issue #17), new
-   first so that an out-of-memory of the old one is still a result. Peak
-   `torch.cuda.max_memory_allocated` and seconds of each.
-2. Tokens per second of the new path on micro-batches of 16k-token sequences, at token budgets
-   32k, 64k, 128k, 256k: the largest that fits.
-3. Agreement: the largest difference between the two paths' log-probs (no grad).
-4. The weight sync's gather: the model under FSDP2 (`fully_shard`, a process group of one), every
-   parameter cast to bf16 and gathered in full (`full_tensor`), as pace/sync.py does; seconds.
+1. One DAPO step (`trainer.step`: forward, backward, AdamW) on one 8k / 16k / 32k-token sequence
+   (256 prompt tokens): peak `torch.cuda.max_memory_allocated` beside its prediction
+   (pace/algo/memory_budget.py), and seconds. A step the prediction puts above the GPU's memory
+   still runs; an out-of-memory is a result.
+2. Tokens per second of DAPO steps on 16k-token sequences at micro-batch budgets of 32k / 64k /
+   128k / 256k tokens (`trainer.max_tokens_per_micro_batch`, one micro-batch): the largest that fits.
+3. Agreement: the largest difference between the chunked and the full-vocabulary log-probs (no
+   grad) on a 4,096-token row.
+4. The weight sync's gather (before the steps): every parameter cast to bf16 and gathered in full
+   (pace.rollout.source, as the sync streams them), against the checkpoint's bits; seconds.
 
 Prints one JSON object per measurement, then a Markdown table.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
+import math
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import gpu_smoke  # noqa: E402  (the presets' reader, the accelerator, the launcher)
 
-from pace.algo.logprobs import full_logprobs, response_logprobs  # noqa: E402  (torch only)
-
-QWEN3_4B = dict(vocab_size=151_936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960, tie_word_embeddings=True,
-                rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-TINY = dict(QWEN3_4B, vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16)
+PRESET = "pace_qwen3_4b"
+QWEN3_4B = dict(gpu_smoke.QWEN3_8B, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
 PROMPT = 256
 
 
-def build(tiny: bool, device: str):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(**(TINY if tiny else QWEN3_4B))
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(torch.float32 if tiny else torch.bfloat16)
-    model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    model.train()
-    return model
+def plan(tiny: bool) -> dict:
+    if tiny:
+        return {"lengths": [384, 768], "per_seq": 384, "budgets": [768, 1536]}
+    return {"lengths": [8192, 16384, 32768], "per_seq": 16384, "budgets": [32768, 65536, 131072, 262144]}
 
 
-def sequences(rows: int, length: int, vocab: int, device: str) -> dict[str, torch.Tensor]:
-    """``rows`` sequences of ``length`` tokens (no padding, so no attention mask: causal SDPA keeps
-    its flash kernel) and the flat positions/targets of their response tokens, as `collate` lays
-    them out."""
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, vocab, (rows, length), generator=gen)
-    index = torch.cat([r * length + PROMPT - 1 + torch.arange(length - PROMPT) for r in range(rows)])
-    batch = {"input_ids": ids, "index": index, "targets": ids.reshape(-1)[index + 1]}
-    return {k: v.to(device) for k, v in batch.items()}
+def predicted_gib(trainer, cfg, tokens: int, response: int) -> float:
+    """The step's peak by pace/algo/memory_budget.py: fp32 states and the larger of the step's
+    forward/backward and AdamW's foreach step."""
+    from pace.algo import memory_budget as mb
+
+    shapes = mb.Shapes.of(trainer.acc.unwrap_model(trainer.model).config)
+    params = shapes.params()
+    step = mb.step_bytes(shapes, tokens, response, cfg.trainer.logprob_chunk, cfg.model.dtype,
+                         cfg.model.gradient_checkpointing, fsdp=True, reduce=cfg.trainer.reduce_dtype)
+    states = mb.states_bytes(params, 1, 4)
+    return max(states + step["total"], mb.optimizer_bytes(params, 1, 4)) / mb.GIB
 
 
-def logprobs(model, batch, path: str, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if path == "new":
-        logp, entropy = response_logprobs(model, batch, 1.0, chunk)
-    else:  # the trainer before issue #17: every position's float32 log-softmax, then the response ones
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1]
-        logp_all, entropy = full_logprobs(logits, batch["input_ids"][:, 1:], 1.0)
-        width = batch["input_ids"].shape[1]
-        rows, cols = batch["index"] // width, batch["index"] % width  # [R, L−1] layout of the old path
-        logp, entropy = logp_all[rows, cols], entropy[rows, cols]
-    return logp, entropy
+def measure(trainer, batch, cuda: bool) -> dict:
+    """One DAPO step: seconds and peak memory, or an out-of-memory."""
+    import torch
 
-
-@torch.no_grad()
-def agreement(model, batch, chunk: int) -> float:
-    """Largest |log π| difference between the two paths over the response tokens."""
-    return float((logprobs(model, batch, "new", chunk)[0] - logprobs(model, batch, "old", chunk)[0]).abs().max())
-
-
-def step(model, batch, path: str, chunk: int) -> None:
-    """One forward+backward of a token-level policy-gradient-shaped loss."""
-    logp, _ = logprobs(model, batch, path, chunk)
-    (-(logp.sum()) / logp.numel()).backward()
-    model.zero_grad(set_to_none=True)
-
-
-def measure(model, batch, path: str, chunk: int, device: str, reps: int = 1) -> dict:
-    cuda = device == "cuda"
-    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
     try:
-        step(model, batch, path, chunk)  # warm-up (kernels, allocator)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            step(model, batch, path, chunk)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = (time.perf_counter() - t0) / reps
+        out = gpu_smoke.timed_step(trainer, batch, cuda)
     except torch.OutOfMemoryError:
-        model.zero_grad(set_to_none=True)
-        return {"path": path, "oom": True}
-    out = {"path": path, "oom": False, "seconds": seconds}
-    if cuda:
-        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        out["above_model_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return out
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return {"oom": True}
+    return {"oom": False, "seconds": out["seconds"], "finite": out["finite"], **({"peak_gib": out["peak_gib"]} if cuda else {})}
 
 
-def fsdp_gather_seconds(model, device: str) -> float:
-    """FSDP2-shard ``model`` (a group of one) and gather every parameter in full, cast to bf16."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+def child(args) -> None:
+    import torch
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    total = 0
-    for _, p in model.named_parameters():
-        full = p.to(torch.bfloat16).full_tensor().to("cpu")  # cast the shard first, as pace/sync.py does
-        total += full.numel()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    dist.destroy_process_group()
-    return seconds
+    from pace.algo.logprobs import response_logprobs
+    from pace.algo.trainer import DAPOTrainer
+
+    cuda = not args.tiny
+    cfg = gpu_smoke.trainer_config(PRESET, args.model, args.tiny)
+    acc = gpu_smoke.accelerator(PRESET, cfg.model.dtype, args.tiny)
+    trainer = DAPOTrainer(args.model, cfg, acc)
+    unwrapped = acc.unwrap_model(trainer.model)
+    vocab, p = unwrapped.config.vocab_size, plan(args.tiny)
+
+    def emit(**values):
+        print("BENCH " + json.dumps(values), flush=True)
+
+    emit(setup={"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                "fsdp2": acc.is_fsdp2, "mixed": acc.mixed_precision, "layers": unwrapped.config.num_hidden_layers,
+                "shards": sorted({str(q.dtype) for q in trainer.model.parameters()}), "chunk": cfg.trainer.logprob_chunk,
+                "params_b": sum(q.numel() for q in trainer.model.parameters()) / 1e9})
+    # the weight sync's gather first, while the weights are still the checkpoint's
+    gpu_smoke.emit = lambda case, what, **values: emit(what=what, **values)  # engine_view's record, as ours
+    gpu_smoke.engine_view("bench", trainer, args.model, cuda)
+    for n in p["lengths"]:
+        trainer.cfg.trainer.max_tokens_per_micro_batch = n  # the sequence in one micro-batch
+        batch = gpu_smoke.batch_of(trainer, PROMPT, n - PROMPT, vocab)
+        emit(tokens=n, predicted_gib=predicted_gib(trainer, cfg, n, n - PROMPT), **measure(trainer, batch, cuda))
+        del batch
+    for budget in p["budgets"]:
+        rows = budget // p["per_seq"]
+        trainer.cfg.trainer.max_tokens_per_micro_batch = budget  # one micro-batch of `rows` sequences
+        batch = gpu_smoke.batch_of(trainer, PROMPT, p["per_seq"] - PROMPT, vocab, rows=rows)
+        r = measure(trainer, batch, cuda)
+        del batch
+        emit(budget=budget, predicted_gib=predicted_gib(trainer, cfg, budget, budget - rows * PROMPT), **r,
+             **({} if r["oom"] else {"tokens_per_s": budget / r["seconds"]}))
+        if r["oom"]:
+            break
+
+    prompt, response = gpu_smoke.TINY_AGREE_LENGTHS if args.tiny else gpu_smoke.AGREE_LENGTHS
+    row = gpu_smoke.batch_of(trainer, prompt, response, vocab, seed=2)
+    b = trainer._collate([(g.prompt_ids, t) for g in row.groups for t in g.trajectories])
+    trainer.model.eval()
+    with torch.no_grad():
+        chunked, _ = response_logprobs(trainer.model, b, 1.0, cfg.trainer.logprob_chunk, decoder=trainer._decoder, head=trainer._head)
+        full, _ = response_logprobs(trainer.model, b, 1.0, None)
+    trainer.model.train()
+    emit(max_abs_logp_diff_chunked_vs_full=float((chunked.float() - full.float()).abs().max()), agreement_tokens=response)
+    del chunked, full, b
+
+
+def table(records: list[dict], setup: dict, tiny: bool) -> None:
+    fmt = lambda r: "OOM | – | –" if r["oom"] else (  # noqa: E731
+        f"{r.get('peak_gib', math.nan):.1f} | {r['predicted_gib']:.1f} | {r['seconds']:.2f}")
+    print(f"\n{setup['device']}, Qwen3-{'tiny' if tiny else '4B'}-shaped ({setup['params_b']:.2f} B parameters, "
+          f"{setup['layers']} layers), the {PRESET} trainer: FSDP2 {setup['fsdp2']}, mixed {setup['mixed']}, "
+          f"shards {setup['shards']}, logprob_chunk {setup['chunk']}\n")
+    print("| tokens | peak GiB | predicted GiB | s |\n|---|---|---|---|")
+    for r in records:
+        if "tokens" in r:
+            print(f"| {r['tokens']:,} | {fmt(r)} |")
+    fitting = [r for r in records if "budget" in r and not r["oom"]]
+    if fitting:
+        best = fitting[-1]
+        print(f"\nDAPO steps on {plan(tiny)['per_seq']:,}-token sequences: {best['tokens_per_s']:,.0f} tokens/s at a {best['budget']:,}-token "
+              f"micro-batch (peak {best.get('peak_gib', math.nan):.1f} GiB, predicted {best['predicted_gib']:.1f}; "
+              f"the largest that fit of {[r['budget'] for r in records if 'budget' in r]})")
+    for r in records:
+        if "max_abs_logp_diff_chunked_vs_full" in r:
+            print(f"chunked vs full log-probs on {r['agreement_tokens']:,} response tokens: max |difference| "
+                  f"{r['max_abs_logp_diff_chunked_vs_full']:.2e}")
+        if r.get("what") == "source":
+            print(f"weight sync's gather (bf16, one process): {r['seconds']:.2f} s for {r['gib']:.1f} GiB, "
+                  f"bits equal to the checkpoint: {r['bits_equal']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU, a tiny model and short sequences (a smoke test)")
-    ap.add_argument("--chunk", type=int, default=1024, help="trainer.logprob_chunk of the new path")
+    ap.add_argument("--layers", type=int, default=36, help="decoder layers of the Qwen3-4B-shaped model (of 36)")
+    ap.add_argument("--work", help="folder for the model (default: a new temporary one)")
+    ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    device = "cpu" if args.tiny else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run with --tiny on CPU")
-    lengths = [512, 1024] if args.tiny else [8192, 16384, 32768]
-    chunk = 64 if args.tiny else args.chunk
-    per_seq = 512 if args.tiny else 16384
-    budgets = [1024, 2048] if args.tiny else [32768, 65536, 131072, 262144]
-    model = build(args.tiny, device)
-    vocab = model.config.vocab_size
-    info = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "chunk": chunk}
-    print(json.dumps({"setup": info}), flush=True)
-    diff = agreement(model, sequences(1, lengths[0], vocab, device), chunk)
-    print(json.dumps({"max_abs_logp_diff_new_vs_old": diff, "tokens": lengths[0]}), flush=True)
-    rows = []
-    for n in lengths:
-        batch = sequences(1, n, vocab, device)
-        for path in ("new", "old"):
-            r = {"tokens": n, **measure(model, batch, path, chunk, device)}
-            print(json.dumps(r), flush=True)
-            rows.append(r)
-        del batch
-    throughput = []
-    for budget in budgets:
-        batch = sequences(budget // per_seq, per_seq, vocab, device)
-        r = measure(model, batch, "new", chunk, device, reps=2)
-        del batch
-        if r["oom"]:
-            print(json.dumps({"budget": budget, "oom": True}), flush=True)
-            break
-        r = {"budget": budget, **r, "tokens_per_s": budget / r["seconds"]}
-        print(json.dumps(r), flush=True)
-        throughput.append(r)
-    gather = fsdp_gather_seconds(model, device)
-    print(json.dumps({"fsdp2_full_gather_s": gather}), flush=True)
+    if args.model:
+        return child(args)
+    import torch
 
-    print(f"\n{info['device']}, Qwen3-{'tiny' if args.tiny else '4B'}-shaped ({info['params_b']:.2f} B parameters), "
-          f"gradient checkpointing, logprob_chunk {chunk}\n")
-    print("| tokens | new: peak GiB | new: s | old: peak GiB | old: s |")
-    print("|---|---|---|---|---|")
-    for n in lengths:
-        cell = {r["path"]: r for r in rows if r["tokens"] == n}
-        fmt = lambda r: "OOM | –" if r["oom"] else f"{r.get('peak_gib', float('nan')):.1f} | {r['seconds']:.2f}"  # noqa: E731
-        print(f"| {n:,} | {fmt(cell['new'])} | {fmt(cell['old'])} |")
-    if throughput:
-        best = throughput[-1]
-        print(f"\nnew path, micro-batches of {per_seq:,}-token sequences: {best['tokens_per_s']:,.0f} tokens/s at a "
-              f"{best['budget']:,}-token micro-batch (the largest that fit of {budgets})")
-    print(f"FSDP2 full gather of the weights (bf16, one process): {gather:.2f} s")
-    print(f"new vs old log-probs at {lengths[0]:,} tokens: max |difference| {diff:.2e}")
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --tiny on CPU")
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_trainer_"))
+    try:
+        model = gpu_smoke.write_model(work / "qwen3_4b", {**QWEN3_4B, **(gpu_smoke.TINY if args.tiny else {})},
+                                      2 if args.tiny else args.layers, args.tiny)
+        t0 = time.perf_counter()
+        out = gpu_smoke.run_child(Path(__file__).resolve(), ["--model", str(model)] + (["--tiny"] if args.tiny else []),
+                                  args.tiny, "bf16", "BENCH ")
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    if any("failed" in r for r in out):
+        sys.exit(f"the trainer's process failed ({out[-1]['failed']})")
+    setup = next(r["setup"] for r in out if "setup" in r)
+    table([r for r in out if "setup" not in r], setup, args.tiny)
+    print(f"\n{time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The trainer side of a paper run, checked on one GPU before a cluster is booked (issue #30).
 
-    python scripts/gpu_smoke.py            # one H200-class GPU, ≤ 8 minutes (not yet run: README)
+    python scripts/gpu_smoke.py            # one H100 or H200, ≤ 8 minutes by estimate (not yet run: README)
     python scripts/gpu_smoke.py --tiny     # CPU, tiny models, ~1 minute (the test suite runs this)
 
 Needs only torch (2.11+), transformers (5.17+) and accelerate: no vLLM, no Hydra, no model hub. It
@@ -15,13 +15,19 @@ over a gloo group of one (Accelerate picks FSDP only on accelerators), as tests/
   train.py builds it): fp32 shards and bf16 compute; the engine's view of the weights (the weight
   sync's cast-and-gather, pace/rollout/source.py) against the HF checkpoint, names, shapes and bits,
   and its time; one DAPO step on a 24,576-token sequence (a 22,528-token response): finite loss, the
-  weights moved at lr 1e-6, peak memory; chunked vs full log-probs; an `algo=m2po` and an
+  weights moved at lr 1e-6, peak memory; chunked vs full log-probs on a 4,096-token row of its own
+  (the full path's logits of the 24,576-token row would not fit an H100); an `algo=m2po` and an
   `algo.ratio_ref=proximal` step; `SHARDED_STATE_DICT` save, a step, load: bit-exact weights and AdamW.
 - ``pure``: the same step without mixed precision (bf16 weights and AdamW state, what train.py's
   `mixed_precision` prevents on GPUs): the update rounds away on nearly every weight.
 - ``moe``: the 30B-A3B-shaped model with +exp=pace_qwen3_30b_a3b's settings: one step, and its
   experts as the engine receives them (transformers 5's fused [E, 2I, H] / [E, H, I], which vLLM's
   FusedMoE loads) equal to the checkpoint's per-expert tensors.
+
+Each case's peak memory is predicted for its shapes by pace/algo/memory_budget.py (`predicted_peak`:
+41.9 / 26.5 / 36.9 GiB for fsdp / pure / moe with the default `--layers 4`; tests/unit/
+test_memory_budget.py holds them to 74 GiB, what an H100 leaves) and, on a GPU, compared with the
+largest `torch.cuda.max_memory_allocated` of the case: a table row each.
 
 Prints one `SMOKE {json}` line per measurement as it goes, then a table of the checks; exit status 1
 if any fails.
@@ -56,6 +62,10 @@ TINY_MOE = dict(TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_siz
 # (prompt, response) tokens of the step's sequence: the presets' micro-batch budget, 24,576 tokens
 LENGTHS = {"fsdp": (2048, 22_528), "pure": (2048, 22_528), "moe": (1024, 7168)}
 TINY_LENGTHS = {"fsdp": (64, 704), "pure": (64, 704), "moe": (32, 224)}
+# the chunked = full check's row: the full path's logits of 24,576 tokens would take ~69 GB
+# (pace.algo.memory_budget.full_logprobs_bytes), so it runs on a 4,096-token row
+AGREE_LENGTHS, TINY_AGREE_LENGTHS = (256, 3840), (32, 224)
+PEAK_LIMIT_GIB = 74.0  # an H100's ~78 GiB less the CUDA context, NCCL and the allocator's slack (tested)
 PRESETS = {"fsdp": "pace_qwen3_8b", "pure": "pace_qwen3_8b", "moe": "pace_qwen3_30b_a3b"}
 
 
@@ -109,6 +119,32 @@ def trainer_config(preset: str, model_path: str, tiny: bool):
     return cfg
 
 
+def predicted_peak(case: str, layers: int = 4, tiny: bool = False) -> dict[str, float]:
+    """The case's peak GPU memory (GiB) by pace/algo/memory_budget.py for its shapes, by phase:
+    the states (fp32 weights, gradients and AdamW moments; bf16 in ``pure``), a training step's
+    forward and backward above them, AdamW's foreach step, and (``fsdp``) the no-grad chunked =
+    full check (weights and moments; gradients freed). "peak" is the largest."""
+    from pace.algo import memory_budget as mb
+
+    arch = {**(QWEN3_30B_A3B if case == "moe" else QWEN3_8B), **((TINY_MOE if case == "moe" else TINY) if tiny else {})}
+    shapes = mb.Shapes.of({**arch, "num_hidden_layers": 2 if case == "moe" or tiny else layers})
+    cfg = trainer_config(PRESETS[case], "", tiny)
+    compute = cfg.model.dtype
+    master = mb.BYTES[compute] if case == "pure" else mb.BYTES[cfg.trainer.master_dtype]
+    reduce = compute if case == "pure" else cfg.trainer.reduce_dtype
+    params = shapes.params()
+    prompt, response = (TINY_LENGTHS if tiny else LENGTHS)[case]
+    step = mb.step_bytes(shapes, prompt + response, response, cfg.trainer.logprob_chunk, compute,
+                         cfg.model.gradient_checkpointing, fsdp=True, reduce=reduce)
+    states = mb.states_bytes(params, 1, master)
+    out = {"states": states, "step": states + step["total"], "optimizer": mb.optimizer_bytes(params, 1, master)}
+    if case == "fsdp":
+        prompt, response = TINY_AGREE_LENGTHS if tiny else AGREE_LENGTHS
+        out["agreement"] = states * 3 // 4 + mb.full_logprobs_bytes(shapes, prompt + response, response, compute)
+    out = {k: v / mb.GIB for k, v in out.items()}
+    return {**out, "peak": max(out.values())}
+
+
 # --- the parent: models, launches, checks -------------------------------------------------------
 def write_model(path: Path, arch: dict, layers: int, tiny: bool) -> Path:
     import torch
@@ -128,7 +164,17 @@ def write_model(path: Path, arch: dict, layers: int, tiny: bool) -> Path:
 
 def launch(case: str, model: Path, work: Path, tiny: bool) -> list[dict]:
     """Run one case in its own process and collect its SMOKE lines (echoed as they come)."""
-    args = [str(Path(__file__).resolve()), "--case", case, "--model", str(model), "--work", str(work)] + (["--tiny"] if tiny else [])
+    args = ["--case", case, "--model", str(model), "--work", str(work)] + (["--tiny"] if tiny else [])
+    out = run_child(Path(__file__).resolve(), args, tiny, "no" if case == "pure" else "bf16", "SMOKE ")
+    return [{"case": case, **r} if "failed" in r else r for r in out]
+
+
+def run_child(script: Path, args: list[str], tiny: bool, mixed: str, prefix: str) -> list:
+    """Run ``script`` in a process of its own as train.py runs (GPU: `accelerate launch` with
+    conf/accelerate/fsdp.yaml and one process; CPU: a gloo world of one, as torchrun sets it up) and
+    return the JSON of its lines that start with ``prefix`` (echoed as they come), and {"failed": ...}
+    if it exited with an error."""
+    args = [str(script), *args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if tiny:  # a gloo world of one, as torchrun would set it up
         with socket.socket() as s:
@@ -138,19 +184,18 @@ def launch(case: str, model: Path, work: Path, tiny: bool) -> list[dict]:
                    MASTER_PORT=str(port), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"))
         cmd = [sys.executable, *args]
     else:
-        mixed = "no" if case == "pure" else "bf16"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_YAML), "--num_processes", "1",
                "--mixed_precision", mixed, *args]
     out, tail = [], []
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         tail = (tail + [line])[-40:]
-        if line.startswith("SMOKE "):
-            out.append(json.loads(line[6:]))
+        if line.startswith(prefix):
+            out.append(json.loads(line[len(prefix):]))
             print(line, end="", flush=True)
     if proc.wait() != 0:
         print("".join(tail), file=sys.stderr)
-        out.append({"case": case, "failed": f"exit status {proc.returncode}"})
+        out.append({"failed": f"exit status {proc.returncode}"})
     return out
 
 
@@ -184,6 +229,12 @@ def checks(results: list[dict]) -> list[tuple[str, bool, str]]:
         lambda r: f"{100 * r['changed_layers']:.2f}% of layer weights moved (bf16 weights and AdamW)")
     row("MoE step", "moe", "step", lambda r: r["finite"] and r["changed_layers"] > 0.5,
         lambda r: f"{r['tokens']:,} tokens: loss {r['loss']:.4f}, {100 * r['changed_layers']:.2f}% moved, peak {r.get('peak_gib', float('nan')):.1f} GiB, {r['seconds']:.1f} s")
+    for case in ("fsdp", "pure", "moe"):
+        row(f"{case}: peak memory ≤ {PEAK_LIMIT_GIB:.0f} GiB", case, "memory",
+            lambda r: r["predicted"]["peak"] <= r["limit_gib"] and (r["measured_gib"] is None or r["measured_gib"] <= r["limit_gib"]),
+            lambda r: f"predicted {r['predicted']['peak']:.1f} GiB (states {r['predicted']['states']:.1f}, step "
+                      f"{r['predicted']['step']:.1f}, AdamW {r['predicted']['optimizer']:.1f}), measured "
+                      + ("– (CPU)" if r["measured_gib"] is None else f"{r['measured_gib']:.1f}"))
     row("MoE engine weights = checkpoint", "moe", "source", lambda r: r["names_equal"] and r["bits_equal"],
         lambda r: f"{r['fused']} fused expert tensors = the checkpoint's per-expert ones; {r['seconds']:.2f} s")
     return rows
@@ -259,19 +310,23 @@ def fsdp_plugin(path: Path = FSDP_YAML):
     return FullyShardedDataParallelPlugin(**kwargs)
 
 
-def batch_of(trainer, prompt: int, response: int, vocab: int, seed: int = 1):
-    """One group of one random sequence; behaviour log-probs = the current policy's (ratio 1)."""
+def batch_of(trainer, prompt: int, response: int, vocab: int, seed: int = 1, rows: int = 1):
+    """One group of ``rows`` random sequences (one prompt); behaviour log-probs = the current
+    policy's (ratio 1)."""
+    import numpy as np
     import torch
 
     from pace.records import Batch, Group, Trajectory
 
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (prompt + response,), generator=gen).tolist()
-    traj = Trajectory(ids[prompt:], [0.0] * response, [0] * response, 0, "stop", advantage=1.0)
-    pairs = [(ids[:prompt], traj)]
+    ids = torch.randint(1, vocab, (prompt + rows * response,), generator=gen).tolist()
+    trajs = [Trajectory(ids[prompt + i * response : prompt + (i + 1) * response], [0.0] * response, [0] * response, 0,
+                        "stop", advantage=1.0) for i in range(rows)]
+    pairs = [(ids[:prompt], traj) for traj in trajs]
     for _, _, logp in trainer._score([pairs]):
-        traj.logprobs[:] = logp.float().cpu().numpy()
-    return Batch(step=0, groups=[Group(0, "smoke", ids[:prompt], "", 0, [traj])])
+        for traj, part in zip(trajs, np.split(logp.float().cpu().numpy(), rows)):
+            traj.logprobs[:] = part
+    return Batch(step=0, groups=[Group(0, "smoke", ids[:prompt], "", 0, trajs)])
 
 
 def local_shards(model) -> dict:
@@ -291,6 +346,9 @@ def moved(before: dict, model) -> tuple[float, float]:
             counts[key][0] += changed
             counts[key][1] += now.numel()
     return tuple(c / max(t, 1) for c, t in counts.values())
+
+
+PEAKS: list[float] = []  # this case's measured peaks (GiB): every step's, the agreement check's
 
 
 def timed_step(trainer, batch, cuda: bool) -> dict:
@@ -353,6 +411,13 @@ def engine_view(case: str, trainer, model_path: str, cuda: bool) -> None:
 
 
 def child(args) -> None:
+    """One case, then its peak memory: predicted (pace.algo.memory_budget) and, on a GPU, measured."""
+    run_case(args)
+    emit(args.case, "memory", predicted=predicted_peak(args.case, args.layers, args.tiny),
+         measured_gib=max(PEAKS) if PEAKS else None, limit_gib=PEAK_LIMIT_GIB)
+
+
+def run_case(args) -> None:
     import torch
 
     from pace.algo.trainer import DAPOTrainer, build_loss
@@ -392,19 +457,24 @@ def child(args) -> None:
     if case != "fsdp":
         return
 
-    # chunked (the trainer's) vs full-vocabulary log-probs, on the same micro-batch
-    pairs = [(g.prompt_ids, t) for g in batch.groups for t in g.trajectories]
+    # chunked (the trainer's) vs full-vocabulary log-probs, on a shorter row of its own (AGREE_LENGTHS)
+    agree = batch_of(trainer, *(TINY_AGREE_LENGTHS if args.tiny else AGREE_LENGTHS), vocab, seed=2)
+    pairs = [(g.prompt_ids, t) for g in agree.groups for t in g.trajectories]
     b = trainer._collate(pairs)
     model.eval()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
         from pace.algo.logprobs import response_logprobs
 
         chunked, _ = response_logprobs(model, b, 1.0, cfg.trainer.logprob_chunk, decoder=trainer._decoder, head=trainer._head)
         full, _ = response_logprobs(model, b, 1.0, None)
     model.train()
+    if cuda:
+        PEAKS.append(torch.cuda.max_memory_allocated() / 2**30)
     diff = (chunked.float() - full.float()).abs()
     emit(case, "agreement", max_abs=float(diff.max()), mean_abs=float(diff.mean()), tokens=int(diff.numel()))
-    del chunked, full, diff, b
+    del chunked, full, diff, b, agree
 
     for what, changes in (("m2po", {"name": "m2po"}), ("proximal", {"name": "dapo", "ratio_ref": "proximal"})):
         trainer.cfg.algo = dataclasses.replace(cfg.algo, **changes)  # what DAPOTrainer.__init__ derives from cfg.algo

@@ -145,7 +145,16 @@ class DAPOTrainer:
             accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
                 param_dtype=compute, reduce_dtype=getattr(torch, t.reduce_dtype))
         kwargs = {} if cfg.model.attn_implementation is None else {"attn_implementation": cfg.model.attn_implementation}
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
+        # Loaded in the checkpoint's own dtype ("auto"), then brought to `dtype`. Under FSDP2 with
+        # mixed precision Accelerate upcasts to fp32 in `prepare` after it has moved ranks >= 1 to
+        # meta (fsdp2_prepare_model): loading fp32 here would make transformers fill every rank >= 1
+        # with fp32 zeros of the whole model first (cpu_ram_efficient_loading), 122 GB a rank for the
+        # 30B-A3B; in the checkpoint's bf16 half that, and only rank 0 ever holds an fp32 copy.
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", **kwargs)
+        if not (accelerator.is_fsdp2 and mixed):
+            for p in model.parameters():  # parameters only, as Accelerate's upcast: buffers (rotary) stay as loaded
+                if p.dtype != dtype:
+                    p.data = p.data.to(dtype)
         if getattr(model.config, "final_logit_softcapping", None):
             raise ValueError(f"{model_path}: final_logit_softcapping is not applied by the trainer's log-prob path")
         if cfg.model.gradient_checkpointing:

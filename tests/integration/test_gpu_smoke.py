@@ -22,7 +22,7 @@ def test_gpu_smoke_tiny_passes_every_check():
     got = {(r["case"], r["what"]): r for r in (json.loads(line[6:]) for line in proc.stdout.splitlines()
                                                if line.startswith("SMOKE "))}
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| check |" not in line]
-    assert len(table) == 11 and all(" | yes | " in line for line in table), "\n".join(table)
+    assert len(table) == 14 and all(" | yes | " in line for line in table), "\n".join(table)
     # what the checks rest on, read here too: the cases ran as the trainer runs on GPUs
     setup = got[("fsdp", "setup")]
     assert setup["fsdp2"] and setup["shards"] == ["torch.float32"] and setup["compute"] == "torch.bfloat16"
@@ -30,6 +30,10 @@ def test_gpu_smoke_tiny_passes_every_check():
     assert got[("pure", "setup")]["shards"] == ["torch.bfloat16"]
     assert got[("fsdp", "step")]["changed_layers"] > 0.99 > 0.1 > got[("pure", "step")]["changed_layers"]
     assert got[("moe", "source")]["fused"] == 4 and got[("fsdp", "checkpoint")]["dcp"]
+    # each case reports its predicted peak (pace.algo.memory_budget, the tiny shapes here) and the
+    # chunked = full check ran on its own shorter row
+    assert all(0 < got[(case, "memory")]["predicted"]["peak"] < 0.01 for case in ("fsdp", "pure", "moe"))
+    assert got[("fsdp", "agreement")]["tokens"] == 224
 
 
 @pytest.mark.parametrize("preset", PAPER_PRESETS)

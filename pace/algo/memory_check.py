@@ -1,0 +1,117 @@
+"""Does the trainer fit its devices? Checked at start, before any engine is built or batch filled.
+
+Each rank holds its share of the weights, gradients and AdamW's two moments, and at the first
+`optimizer.step()` AdamW's foreach temporary beside them (pace/algo/memory_budget.optimizer_bytes):
+20 bytes a parameter with fp32 master weights, over the FSDP2 shard group (all processes; HSDP: its
+`dp_shard_size`), or whole on every rank without FSDP. A run whose ranks cannot hold that would die
+at its first optimizer step, after the engines' start and the first batch (~30 minutes for the
+30B-A3B). This refuses it in one line naming the numbers and the keys to change. Activations come
+on top, so passing is necessary, not sufficient: rank 0 also warns (without stopping) when the
+states and memory_budget.step_bytes's estimate of a `trainer.max_tokens_per_micro_batch` micro-batch
+exceed the device.
+
+The device's memory: `trainer.device_memory_gib` when set; else on CUDA the GPU's total
+(`torch.cuda.mem_get_info`), less the colocated engine's share (`rollout.gpu_memory_utilization`
+of it) with `rollout.placement=colocate`. On CPU, unless set, nothing is checked: the host's memory
+is shared with the engines and the OS, and the CPU runs are the tiny ones. FSDP2's CPU offload
+(`fsdp_offload_params: true`) keeps the states in host memory: not checked against the GPU.
+"""
+from __future__ import annotations
+
+import sys
+
+from pace.algo import memory_budget as mb
+from pace.config import ConfigError
+
+
+def count_params(model_path: str) -> int:
+    """The model's parameters (tied ones once), from its config on the meta device: no weights read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def layout(accelerator, cfg) -> tuple[int, int, str]:
+    """(shards, master bytes, what holds the states) of this run's trainer: FSDP2 shards over the
+    processes (HSDP: its shard group) and Accelerate upcasts a low-precision model to fp32 under
+    mixed precision (accelerate.utils.fsdp_utils.fsdp2_prepare_model); otherwise every rank holds
+    the model in `trainer.master_dtype` under mixed precision, in `model.dtype` without."""
+    mixed = accelerator.mixed_precision in ("bf16", "fp16")
+    if accelerator.is_fsdp2:
+        pc = getattr(accelerator, "parallelism_config", None)
+        shards = pc.dp_shard_size if pc is not None and (pc.dp_shard_size or 1) > 1 else accelerator.num_processes
+        return shards, 4 if mixed else mb.BYTES[cfg.model.dtype], "FSDP2"
+    return 1, mb.BYTES[cfg.trainer.master_dtype if mixed else cfg.model.dtype], "every"
+
+
+def device_memory(cfg, device: str) -> tuple[int | None, str]:
+    """(bytes the trainer may use on one of its devices, where the number comes from); None: no check."""
+    if cfg.trainer.device_memory_gib is not None:
+        return int(cfg.trainer.device_memory_gib * mb.GIB), "trainer.device_memory_gib"
+    if device != "cuda":
+        return None, "not checked on CPU"
+    import torch
+
+    total = torch.cuda.mem_get_info()[1]
+    if cfg.rollout.placement == "colocate":
+        share = cfg.rollout.gpu_memory_utilization
+        return int(total * (1 - share)), f"the GPU's {total / mb.GIB:.1f} GiB less rollout.gpu_memory_utilization={share}"
+    return total, "the GPU's total"
+
+
+def check_memory(cfg, model_path: str, accelerator, device: str) -> None:
+    """Refuse (ConfigError, one line) a run whose trainer states exceed a device's memory."""
+    memory, source = device_memory(cfg, device)
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if memory is None or (accelerator.is_fsdp2 and plugin is not None and bool(plugin.cpu_offload)):
+        return
+    params = count_params(model_path)
+    shards, master, holder = layout(accelerator, cfg)
+    need = mb.optimizer_bytes(params, shards, master)
+    where = (f"over {shards} FSDP2 shards" if holder == "FSDP2" else
+             f"on each of {accelerator.num_processes} processes (no FSDP: whole on every rank)")
+    count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
+    line = (f"the trainer's weights, gradients and AdamW state of {count} parameters need {_size(need)} a rank at "
+            f"AdamW's step ({5 * master} bytes a parameter in {'fp32' if master == 4 else f'{8 * master}-bit'}, "
+            f"{where}); a device has {_size(memory)} ({source})")
+    if need <= memory:
+        if accelerator.is_main_process:
+            print(f"memory: {line}", file=sys.stderr, flush=True)
+            step = step_estimate(cfg, model_path, holder == "FSDP2")
+            peak = None if step is None else mb.states_bytes(params, shards, master) + step
+            if peak is not None and peak > memory:
+                print(f"warning: by estimate (pace/algo/memory_budget.py) a rank peaks at {_size(peak)} in a micro-batch of "
+                      f"trainer.max_tokens_per_micro_batch={cfg.trainer.max_tokens_per_micro_batch} tokens, above its "
+                      f"{_size(memory)}: lower it, or shard over more processes", file=sys.stderr, flush=True)
+        return
+    more = -(-mb.optimizer_bytes(params, 1, master) // memory) if holder == "FSDP2" else None
+    fix = (f"shard over >= {more} processes (accelerate launch --num_processes, conf/accelerate/fsdp_8gpu.yaml for 8; "
+           f"or several nodes: conf/accelerate/hsdp_2nodes.yaml), or keep the states in host memory "
+           f"(fsdp_offload_params: true)" if more else "run under FSDP2 (accelerate launch --config_file "
+           "conf/accelerate/fsdp.yaml)")
+    raise ConfigError(f"{line}: {fix}; trainer.device_memory_gib overrides the device's size")
+
+
+def step_estimate(cfg, model_path: str, fsdp: bool) -> int | None:
+    """A micro-batch's activations and temporaries above the states (memory_budget.step_bytes) at the
+    token budget, one row; None without a budget or chunked log-probs, or for a config whose shapes
+    memory_budget.Shapes cannot read."""
+    tokens, chunk = cfg.trainer.max_tokens_per_micro_batch, cfg.trainer.logprob_chunk
+    if tokens is None or chunk is None:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        shapes = mb.Shapes.of(AutoConfig.from_pretrained(model_path))
+        return mb.step_bytes(shapes, tokens, tokens, chunk, cfg.model.dtype, cfg.model.gradient_checkpointing,
+                             fsdp=fsdp, reduce=cfg.trainer.reduce_dtype)["total"]
+    except (TypeError, AttributeError):  # not a decoder of the layout it knows
+        return None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / mb.GIB:.1f} GiB" if nbytes >= mb.GIB // 10 else f"{nbytes / 2**20:.1f} MiB"
