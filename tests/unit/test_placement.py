@@ -67,3 +67,18 @@ def test_a_fleet_build_gives_each_engine_its_gpus_and_leaves_none_running_when_o
     seen.clear()
     built = engine_lib.build_engines("m", cfg, "bfloat16", 20, "child", None, placement=[[0], [1], [2]])
     assert [e.seed for e in built] == [20, 21, 22] and [s[1] for s in seen] == ["4", "5", "6"]
+
+
+def test_only_engines_on_gpus_of_their_own_are_built_at_once(monkeypatch):
+    """On a CPU (no placement) and for engines sharing a GPU, the builds run one after another here."""
+    import threading
+
+    from pace.rollout import engine as engine_lib
+
+    threads = []
+    monkeypatch.setattr(engine_lib, "_new_llm", lambda *a: threads.append(threading.current_thread().name) or object())
+    cfg = OmegaConf.create({"engines": 2})
+    for placement, at_once in ((None, False), ([[0], [0]], False), ([[0], [1]], True)):
+        threads.clear()
+        assert len(engine_lib.build_engines("m", cfg, "bfloat16", 0, "child", None, placement=placement)) == 2
+        assert [t.startswith("pace-engine-build") for t in threads] == [at_once] * 2, placement
