@@ -185,16 +185,17 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str
 
     What a core process inherits is read from this process's environment when vLLM spawns it (its
     GPUs, no launcher variables), so the spawns stay one at a time: each engine's environment is
-    set, its build started, and restored as soon as its core process exists (`_started_core`). Engines e ≥ 1 keep their compile caches apart
-    (VLLM_CACHE_ROOT/pace-engine-e): separate `LLM`s share vLLM's cache directory (rank 0 of
-    data-parallel rank 0 each) and would write it at once. In-process engines share this process's
-    vLLM state: built one after another."""
+    set, its build started, and restored as soon as its core process exists (`_started_core`).
+    Engines e ≥ 1 keep their compile caches apart (VLLM_CACHE_ROOT/pace-engine-e): separate `LLM`s
+    share vLLM's cache directory (rank 0 of data-parallel rank 0 each) and would write it at once.
+    In-process engines share this process's vLLM state: built one after another."""
     if backend == "auto":
         backend = transfer_backend(rollout_cfg, "cuda" if torch.cuda.is_available() else "cpu")
     gpus = placement or [None] * rollout_cfg.engines
     own_gpus = placement is not None and len({g for ids in placement for g in ids}) == sum(map(len, placement))
     if mode != "child" or len(gpus) == 1 or not own_gpus:
-        return [build_engine(model_path, rollout_cfg, dtype, seed + e, mode, backend, gpus[e]) for e in range(len(gpus))]
+        return [build_engine(model_path, rollout_cfg, dtype, seed + e, mode, backend, gpus[e])
+                for e in range(len(gpus))]
     from concurrent.futures import ThreadPoolExecutor
 
     import vllm  # imported once here, not by the threads at once

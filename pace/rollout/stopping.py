@@ -19,10 +19,12 @@ without `data.chat_template` the prompt is raw text and only the EOS ends a resp
 """
 from __future__ import annotations
 
+from pace.config import ConfigError
+
 _PROBE = "PACE-TURN-END-PROBE"
 
 
-class StopTokenError(ValueError):
+class StopTokenError(ConfigError):
     """The chat template's end of an assistant turn is not one special token to stop on."""
 
 

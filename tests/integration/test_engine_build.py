@@ -32,10 +32,10 @@ def test_child_engines_are_built_at_once_each_with_its_own_environment(tiny_mode
     monkeypatch.setenv("VLLM_CACHE_ROOT", "/tmp/pace-test-vllm-cache")
     spans, real = {}, engine_lib._new_llm
 
-    def timed(*args):
+    def timed(model_path, rollout_cfg, dtype, seed, backend):
         start = time.monotonic()
-        llm = real(*args)
-        spans[threading.current_thread().name] = (start, time.monotonic())
+        llm = real(model_path, rollout_cfg, dtype, seed, backend)
+        spans[seed] = (start, time.monotonic(), threading.current_thread().name)
         return llm
 
     monkeypatch.setattr(engine_lib, "_new_llm", timed)
@@ -44,7 +44,7 @@ def test_child_engines_are_built_at_once_each_with_its_own_environment(tiny_mode
                                     backend=None, placement=[[0], [1]])
     wall = time.monotonic() - t0
     try:
-        (s0, e0), (s1, e1) = sorted(spans.values())
+        (s0, e0, _), (s1, e1, _) = (spans[0], spans[1])
         print(f"built 2 engines in {wall:.1f} s; builds {e0 - s0:.1f} s and {e1 - s1:.1f} s, the second "
               f"started {s1 - s0:.1f} s after the first")
         assert s1 < e0  # the second build started before the first had finished

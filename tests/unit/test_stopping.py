@@ -123,7 +123,8 @@ def test_remote_servers_and_tool_turns_get_the_same_stops(tmp_path):
             self.params.append(params)
 
     engine = Engine()
-    run = EvalRun({"set": [Prompt("p", "2+2?", "4")]}, sampling_params(cfg, tok, seeded=False, k=2), None, tools=Tools())
+    params = sampling_params(cfg, tok, seeded=False, k=2)
+    run = EvalRun({"set": [Prompt("p", "2+2?", "4")]}, params, None, tools=Tools())
     run.submit(engine)
     run._add_turn(("set", 0, 0), [1, 2], [3], turn=1)
     assert len(engine.params) == 3 and all(p.stop_token_ids == [IM_END] for p in engine.params)
