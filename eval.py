@@ -65,7 +65,7 @@ def main(cfg: DictConfig) -> None:
     from pace.grading import Grader, GraderError
 
     k = cfg.eval.k
-    params = evaluation.sampling_params(cfg, seeded=device == "cuda")
+    params = evaluation.sampling_params(cfg, tokenizer, seeded=device == "cuda")
     llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
     # Grading jobs hold ~GRADE_ANSWERS answers; reward.timeout_s is the deadline of a training
     # group's G answers, so each job's deadline is that per answer times the job's size.

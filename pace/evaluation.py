@@ -104,8 +104,9 @@ def tool_runner(cfg, tokenizer, on_done=None):
     return ToolRunner(cfg.tools, tokenizer, cfg.rollout.max_tool_calls, on_done=on_done)
 
 
-def sampling_params(cfg, seeded: bool = True, k: int | None = None):
-    """``n = k`` (default `eval.k`) samples per problem, returned once per problem with all k (FINAL_ONLY).
+def sampling_params(cfg, tokenizer, seeded: bool = True, k: int | None = None):
+    """``n = k`` (default `eval.k`) samples per problem, returned once per problem with all k (FINAL_ONLY),
+    stopping where the rollout's responses stop (pace/rollout/stopping.py).
 
     ``seeded``: a per-request seed (``seed``), for eval.py on a GPU engine of its own. vLLM's CPU
     build fails on seeded requests whenever a step also holds a partially prefilled one ("CPU
@@ -115,8 +116,11 @@ def sampling_params(cfg, seeded: bool = True, k: int | None = None):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from pace.rollout.stopping import stop_token_ids
+
     return SamplingParams(n=k or cfg.eval.k, max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
                           temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
+                          stop_token_ids=stop_token_ids(tokenizer, cfg.data.chat_template),
                           seed=cfg.seed if seeded else None, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
@@ -216,7 +220,7 @@ class EvalRun:
         p = self.params
         seed = None if p.seed is None else p.seed + j + 100_003 * turn  # k distinct samples, seeded
         params = SamplingParams(n=1, max_tokens=p.max_tokens - len(response), temperature=p.temperature, top_p=p.top_p,
-                                seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
+                                stop_token_ids=p.stop_token_ids, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
                                 **self.tools.turn_kwargs(turn))
         self._requests[rid] = key
         self._turns[key] = (prompt_ids, response, turn, [] if own is None else own)

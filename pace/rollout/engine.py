@@ -97,8 +97,9 @@ def visible_devices(gpus: list[int], parent: str | None) -> str:
 
 
 @contextlib.contextmanager
-def _engine_process_env(mode: str, gpus: list[int] | None):
-    """While a child engine process starts: without the launcher's variables, with its GPUs."""
+def _engine_process_env(mode: str, gpus: list[int] | None, cache_root: str | None = None):
+    """While a child engine process starts: without the launcher's variables, with its GPUs (and
+    ``cache_root`` as its VLLM_CACHE_ROOT if given)."""
     if mode != "child":
         yield
         return
@@ -106,6 +107,9 @@ def _engine_process_env(mode: str, gpus: list[int] | None):
     if gpus is not None:
         saved["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, saved["CUDA_VISIBLE_DEVICES"])
+    if cache_root is not None:
+        saved["VLLM_CACHE_ROOT"] = os.environ.get("VLLM_CACHE_ROOT")
+        os.environ["VLLM_CACHE_ROOT"] = cache_root
     try:
         yield
     finally:
@@ -121,11 +125,16 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str 
     """One vLLM engine (`LLM`). ``mode`` places its core; ``backend`` enables vLLM's weight
     transfer (``auto``: `rollout.weight_transfer` for this machine; pace's shm backend is
     registered in the worker by `worker_extension_cls`; None: no weight transfer)."""
-    import logging
-
     if backend == "auto":
         backend = transfer_backend(rollout_cfg, "cuda" if torch.cuda.is_available() else "cpu")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "child" else "0"
+    with _engine_process_env(mode, gpus):
+        return _new_llm(model_path, rollout_cfg, dtype, seed, backend)
+
+
+def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str | None):
+    import logging
+
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -135,34 +144,99 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str 
     if backend is not None:
         extra = dict(weight_transfer_config=WeightTransferConfig(backend=transfer.engine_backend(backend)),
                      worker_extension_cls="pace.rollout.transfer.WorkerExtension")
-    with _engine_process_env(mode, gpus):
-        llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=rollout_cfg.max_model_len,
-            max_num_seqs=rollout_cfg.max_num_seqs,
-            tensor_parallel_size=rollout_cfg.tensor_parallel_size,
-            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-            enforce_eager=rollout_cfg.enforce_eager,
-            enable_prefix_caching=True,
-            # Validation (VALIDATION_PRIORITY) and PACE's prefix-rescoring requests (SCORING_PRIORITY)
-            # are scheduled ahead of waiting generation requests; generation requests all share
-            # priority 0 (FCFS among them).
-            scheduling_policy="priority",
-            # Tokens returned by a step must come from the weights loaded before that step, so that
-            # v_t is exact: no batch may be in flight across a weight update.
-            async_scheduling=False,
-            # ℓ^μ must be the log-prob of the distribution actually sampled (after temperature / top-p).
-            logprobs_mode="processed_logprobs",
-            **extra,
-        )
+    llm = LLM(
+        model=model_path,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=rollout_cfg.max_model_len,
+        max_num_seqs=rollout_cfg.max_num_seqs,
+        tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+        enforce_eager=rollout_cfg.enforce_eager,
+        enable_prefix_caching=True,
+        # Validation (VALIDATION_PRIORITY) and PACE's prefix-rescoring requests (SCORING_PRIORITY)
+        # are scheduled ahead of waiting generation requests; generation requests all share
+        # priority 0 (FCFS among them).
+        scheduling_policy="priority",
+        # Tokens returned by a step must come from the weights loaded before that step, so that
+        # v_t is exact: no batch may be in flight across a weight update.
+        async_scheduling=False,
+        # ℓ^μ must be the log-prob of the distribution actually sampled (after temperature / top-p).
+        logprobs_mode="processed_logprobs",
+        **extra,
+    )
     # A warning that repeats and means nothing here: vLLM's CPU worker says it ignores
     # torch.set_num_threads (it replaced the function). vLLM configures its loggers while building
     # the engine, so it is quieted after. (The reload's "Failed to load weights" warnings are
     # decided, not quieted: pace/rollout/reload.py.)
     logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
     return llm
+
+
+def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str, backend: str | None,
+                  placement: list[list[int]] | None = None) -> list:
+    """`rollout.engines` engines (engine e seeded ``seed + e``, on ``placement[e]``'s GPUs).
+
+    Out-of-process engines (``child``) on GPUs of their own are built at once, each `LLM(...)` in a
+    thread of its own: nearly all of a build (loading the weights, profiling memory, compiling,
+    capturing CUDA graphs) runs in the engine's core process and overlaps. Without a placement (CPU,
+    or engines sharing a GPU, whose memory profiles must not overlap) they are built one after
+    another: on 2 CPU cores two tiny engines took 85-100 s at once against 73 s one after another.
+
+    What a core process inherits is read from this process's environment when vLLM spawns it (its
+    GPUs, no launcher variables), so the spawns stay one at a time: each engine's environment is
+    set, its build started, and restored as soon as its core process exists (`_started_core`).
+    Engines e ≥ 1 keep their compile caches apart (VLLM_CACHE_ROOT/pace-engine-e): separate `LLM`s
+    share vLLM's cache directory (rank 0 of data-parallel rank 0 each) and would write it at once.
+    In-process engines share this process's vLLM state: built one after another."""
+    if backend == "auto":
+        backend = transfer_backend(rollout_cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    gpus = placement or [None] * rollout_cfg.engines
+    own_gpus = placement is not None and len({g for ids in placement for g in ids}) == sum(map(len, placement))
+    if mode != "child" or len(gpus) == 1 or not own_gpus:
+        return [build_engine(model_path, rollout_cfg, dtype, seed + e, mode, backend, gpus[e])
+                for e in range(len(gpus))]
+    from concurrent.futures import ThreadPoolExecutor
+
+    import vllm  # imported once here, not by the threads at once
+    import vllm.envs
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    cache_root = vllm.envs.VLLM_CACHE_ROOT
+    pool = ThreadPoolExecutor(max_workers=len(gpus), thread_name_prefix="pace-engine-build")
+    futures, error = [], None
+    try:
+        for e, engine_gpus_ in enumerate(gpus):
+            with _engine_process_env("child", engine_gpus_, cache_root=None if e == 0 else
+                                     os.path.join(cache_root, f"pace-engine-{e}")):
+                before = _core_processes()
+                futures.append(pool.submit(_new_llm, model_path, rollout_cfg, dtype, seed + e, backend))
+                _started_core(before, futures[-1])
+    except BaseException as exc:  # noqa: BLE001 - raised below, once the builds started have ended
+        error = exc
+    pool.shutdown(wait=True)  # every build started has ended: its engine is up, or it failed
+    error = error or next((f.exception() for f in futures if f.exception() is not None), None)
+    if error is not None:
+        for f in futures:  # no engine of a failed fleet is left running
+            if f.exception() is None:
+                shutdown(f.result())
+        raise error
+    return [f.result() for f in futures]
+
+
+def _core_processes() -> set[int]:
+    import multiprocessing
+
+    return {p.pid for p in multiprocessing.active_children() if p.name.startswith("EngineCore")}
+
+
+def _started_core(before: set[int], build, poll_s: float = 0.01) -> None:
+    """Wait until the build ``build`` (a future) has spawned its engine core process (vLLM names it
+    EngineCore) or has ended."""
+    import time
+
+    while not build.done() and not (_core_processes() - before):
+        time.sleep(poll_s)
 
 
 def build_fleet(model_path: str, cfg, device: str, world_size: int, version: int = 0, tokenizer=None,
@@ -179,10 +253,7 @@ def build_fleet(model_path: str, cfg, device: str, world_size: int, version: int
         return remote.build(model_path, cfg, device, tokenizer, backend, log_dir, version)
     local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # trainer processes (GPUs) on this node
     placement = engine_gpus(cfg.rollout, local_trainers) if device == "cuda" and cfg.rollout.placement == "separate" else None
-    llms = [build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed + e, mode, backend,
-                         None if placement is None else placement[e])
-            for e in range(cfg.rollout.engines)]
-    fleet = EngineFleet(llms)
+    fleet = EngineFleet(build_engines(model_path, cfg.rollout, cfg.model.dtype, cfg.seed, mode, backend, placement))
     fleet.set_version(version)
     return fleet
 

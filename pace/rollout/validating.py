@@ -43,7 +43,7 @@ class ValidationMixin:
 
         every = self.cfg.eval.every
         self._val_next = (v // every + 1) * every
-        params = evaluation.sampling_params(self.cfg, seeded=False, k=self.cfg.eval.val_k)
+        params = evaluation.sampling_params(self.cfg, self.tokenizer, seeded=False, k=self.cfg.eval.val_k)
         run = evaluation.EvalRun(self.val_sets, params, self.grader,
                                  prefix=f"v{v}", answer_timeout_s=self.cfg.reward.timeout_s / self.group_size,
                                  tools=evaluation.tool_runner(self.cfg, self.tokenizer, on_done=self._wake.set))

@@ -177,7 +177,7 @@ def test_evaluation_runs_tool_calls_per_sample(llm):
     tools = tool_runner(cfg, llm.get_tokenizer())
     texts = []
     with Grader(workers=1) as grader:
-        run = EvalRun(sets, sampling_params(cfg, seeded=False), grader, tools=tools)
+        run = EvalRun(sets, sampling_params(cfg, llm.get_tokenizer(), seeded=False), grader, tools=tools)
         original = run._sample_done
 
         def record(key):  # keep every finished sample's text

@@ -33,3 +33,52 @@ def test_a_child_engine_starts_with_the_mapped_devices_and_the_parents_come_back
     with _engine_process_env("child", [4, 5, 6, 7]):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "12,13,14,15" and "RANK" not in os.environ
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15" and os.environ["RANK"] == "0"
+
+
+def test_a_fleet_build_gives_each_engine_its_gpus_and_leaves_none_running_when_one_fails(monkeypatch):
+    """`build_engines` with stand-in builds (no core process): each starts under its own GPUs; when
+    one fails, the engines already built are shut down, the error is raised, the environment is back."""
+    from pace.rollout import engine as engine_lib
+
+    seen, closed = [], []
+
+    class Engine:
+        def __init__(self, seed):
+            self.seed = seed
+
+        def shutdown(self, timeout=None):
+            closed.append(self.seed)
+
+    def build(model_path, rollout_cfg, dtype, seed, backend):
+        seen.append((seed, os.environ.get("CUDA_VISIBLE_DEVICES"), "RANK" in os.environ))
+        if seed == 12:
+            raise RuntimeError("engine 2 failed")
+        return Engine(seed)
+
+    monkeypatch.setattr(engine_lib, "_new_llm", build)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    cfg = OmegaConf.create({"engines": 3})
+    with pytest.raises(RuntimeError, match="engine 2 failed"):
+        engine_lib.build_engines("m", cfg, "bfloat16", 10, "child", None, placement=[[1], [2], [3]])
+    assert seen == [(10, "5", False), (11, "6", False), (12, "7", False)]
+    assert sorted(closed) == [10, 11]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and os.environ["RANK"] == "0"
+    seen.clear()
+    built = engine_lib.build_engines("m", cfg, "bfloat16", 20, "child", None, placement=[[0], [1], [2]])
+    assert [e.seed for e in built] == [20, 21, 22] and [s[1] for s in seen] == ["4", "5", "6"]
+
+
+def test_only_engines_on_gpus_of_their_own_are_built_at_once(monkeypatch):
+    """On a CPU (no placement) and for engines sharing a GPU, the builds run one after another here."""
+    import threading
+
+    from pace.rollout import engine as engine_lib
+
+    threads = []
+    monkeypatch.setattr(engine_lib, "_new_llm", lambda *a: threads.append(threading.current_thread().name) or object())
+    cfg = OmegaConf.create({"engines": 2})
+    for placement, at_once in ((None, False), ([[0], [0]], False), ([[0], [1]], True)):
+        threads.clear()
+        assert len(engine_lib.build_engines("m", cfg, "bfloat16", 0, "child", None, placement=placement)) == 2
+        assert [t.startswith("pace-engine-build") for t in threads] == [at_once] * 2, placement
