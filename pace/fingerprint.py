@@ -123,6 +123,8 @@ class SentWeights:
         self._lock = threading.Lock()
 
     def expect(self, version: int, prints: dict[str, int]) -> None:
+        if not isinstance(version, int):  # a pass over the source that sent no version
+            raise ValueError(f"sent weight fingerprints need the version sent, got version {version!r}")
         with self._lock:
             self._sent[version] = dict(prints)
             for v in sorted(self._sent)[: -self.keep]:

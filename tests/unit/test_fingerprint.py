@@ -153,3 +153,68 @@ def test_a_worker_reports_its_fingerprints_only_when_asked_and_only_for_the_mode
     worker.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Linear(1, 1))  # it serves another model
     assert WorkerExtension.pace_weight_fingerprint(worker) == (
         "loaded its updates into a _Toy that is not the model it serves (Linear)")
+
+
+class _Rollout:
+    """Rank 0's rollout for a real `WeightSync` on the gloo backend with no engine workers (a group
+    of one): the calls run here (no thread), the broadcast goes nowhere, the judge's store is real."""
+
+    ident = None
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.sent_weights = fp.SentWeights()
+        self.engine = SimpleNamespace(load=lambda info: None)
+        self.loaded: list[int] = []
+
+    def init_weight_transfer_engine(self, info):
+        pass
+
+    def begin_update(self):
+        pass
+
+    def end_update(self, version):
+        self.loaded.append(version)
+
+
+def test_only_the_sending_pass_is_fingerprinted_not_a_checkpoint_s_between_syncs():
+    """`rollout.sync_every=2`: θ_1 is checkpointed (`weights`) before any sync, θ_2 synced, θ_3
+    checkpointed again. The sent fingerprints are θ_2's alone: a checkpoint's pass over the source
+    neither records a version (None before the first sync) nor overwrites the last synced one."""
+    from types import SimpleNamespace
+
+    from pace.config import Config
+    from pace.sync import WeightSync
+
+    cfg = Config()
+    cfg.model.dtype, cfg.rollout.weight_transfer, cfg.rollout.engines = "bfloat16", "gloo", 0
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    rollout = _Rollout()
+    trainer = SimpleNamespace(model=model, acc=SimpleNamespace(process_index=0, is_main_process=True))
+    sync = WeightSync(cfg, trainer, rollout, "cpu")
+    try:
+        def step():
+            with torch.no_grad():
+                model[0].weight.add_(0.25)
+
+        def prints():
+            return {n: fp.tensor_fingerprint(p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()}
+
+        step()
+        assert len(sync.weights(1)) == 4  # a checkpoint at a step with no sync due
+        step()
+        sync.prepare(2)
+        sync.weights(2)  # the step's checkpoint, before the sync
+        synced = prints()
+        sync.publish(2)
+        step()
+        sync.weights(3)  # a checkpoint between syncs: newer weights
+        assert rollout.loaded == [2] and rollout.sent_weights.expects(2)
+        assert [v for v in range(4) if rollout.sent_weights.expects(v)] == [2]
+        assert rollout.sent_weights.judge(2, [synced]) is None  # θ_2's, not θ_3's
+    finally:
+        sync.close()
+    with pytest.raises(ValueError, match="version None"):
+        fp.SentWeights().expect(None, {"a": 1})
