@@ -47,6 +47,43 @@ def test_one_bf16_ulp_anywhere_a_transpose_or_a_shift_changes_it_and_the_layout_
     assert fp.tensor_fingerprint(big) != 0
 
 
+def test_a_pass_reads_its_fingerprints_once_at_its_end_not_one_tensor_at_a_time():
+    """Each tensor's sum stays on its device (a meta tensor has no values to read: adding it would
+    fail if `add` read one); `prints` reads them all, and equals the integers one by one."""
+    lazy = fp.Fingerprints()
+    lazy.add("a", torch.ones(5, dtype=torch.bfloat16, device="meta"))
+    lazy.add("b", torch.ones(fp.CHUNK + 3, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(NotImplementedError):
+        lazy.prints  # noqa: B018 - the one read
+    gen = torch.Generator().manual_seed(2)
+    tensors = {"a": torch.randn(7, 3, generator=gen).to(torch.bfloat16), "b": torch.randn(fp.CHUNK + 9, generator=gen),
+               "c": torch.empty(0, dtype=torch.bfloat16)}
+    prints = fp.Fingerprints()
+    for name, t in tensors.items():
+        prints.add(name, t)
+    prints.add("a", tensors["a"])  # received twice: not the whole tensor's
+    expected = {name: _reference(t) for name, t in tensors.items()}
+    expected["a"] = 2 * expected["a"] + 1
+    assert prints.prints == expected and list(prints.prints) == ["a", "b", "c"]
+
+
+def test_an_exchange_is_seen_unless_the_positions_are_a_multiple_of_p_apart():
+    """The documented limit: the position weights repeat every P elements, so two elements
+    exchanged between positions k·P apart leave it unchanged; at any other distance it changes."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3 * fp.P + 10, generator=gen).to(torch.bfloat16)
+    base = fp.tensor_fingerprint(w)
+
+    def swapped(i, j):
+        out = w.clone()
+        out[i], out[j] = w[j], w[i]
+        assert not torch.equal(out, w)
+        return fp.tensor_fingerprint(out)
+
+    assert swapped(5, 5 + fp.P) == base and swapped(7, 7 + 2 * fp.P) == base
+    assert all(swapped(5, 5 + d) != base for d in (1, fp.P - 1, fp.P + 1, 2 * fp.P + 3))
+
+
 def _prints(scale: float) -> dict[str, int]:
     return {"a.weight": int(100 * scale), "b.weight": int(200 * scale), "c.bias": 7}
 
