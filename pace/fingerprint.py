@@ -142,7 +142,7 @@ def describe(version: int, expected: dict[str, int], got, sent: dict[int, dict[s
     parts = [f"{len(differ)} of {len(expected)} tensors differ from the trainer's (first: {differ[0]})" if differ else "",
              f"{len(missing)} were not received (first: {missing[0]})" if missing else "",
              f"{len(extra)} were received that it did not send (first: {extra[0]})" if extra else ""]
-    text = f"is labelled θ_{version} but holds other weights: {'; '.join(p for p in parts if p)}"
+    text = f"is labelled θ_{version} but received other weights: {'; '.join(p for p in parts if p)}"
     same = [v for v, prints in sent.items() if v != version and prints == got]
     if same:
         behind = version - max(same)

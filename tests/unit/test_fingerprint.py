@@ -108,7 +108,7 @@ def test_a_worker_with_the_sent_weights_passes_and_every_worker_is_judged():
 
 def test_an_engine_a_version_behind_is_named_with_how_far():
     assert str(_sent().judge(5, [_prints(2)])) == (
-        "rollout engine worker 0 is labelled θ_5 but holds other weights: 2 of 3 tensors differ from the trainer's "
+        "rollout engine worker 0 is labelled θ_5 but received other weights: 2 of 3 tensors differ from the trainer's "
         "(first: a.weight); they are θ_4's: the engine is 1 version behind (weight fingerprints after the sync "
         "of θ_5; trainer.sync_fingerprint)")
     assert "they are θ_3's: the engine is 2 versions behind" in str(_sent().judge(5, [_prints(1)]))
