@@ -247,10 +247,10 @@ class TrainerConfig:
     # row stop the run (0: warn only). null: 1e-5 for model.dtype float32, 0.2 for bfloat16/float16.
     max_sync_mismatch: Optional[float] = None
     sync_mismatch_steps: int = 3
-    # After every weight sync, each engine worker's fingerprints of the tensors it received must equal
-    # the trainer's of what it sent for that version (pace/fingerprint.py): exact in any dtype, where
-    # `max_sync_mismatch` cannot see an engine a version behind in bf16. Any other weights, or none,
-    # stop the run after a checkpoint.
+    # After every weight sync, each engine worker's fingerprints of the tensors its served model's
+    # loader received must equal the trainer's of what it sent for that version (pace/fingerprint.py):
+    # exact in any dtype, where `max_sync_mismatch` cannot see an engine a version behind in bf16.
+    # Any other weights, or none, stop the run after a checkpoint.
     sync_fingerprint: bool = True
 
 

@@ -1,5 +1,6 @@
-"""After every weight sync, the engines must hold the weights of the version they are labelled
-with: fingerprints of θ_v taken on both sides, in checkpoint coordinates, compared exactly.
+"""After every weight sync, the tensors each engine worker's model loader received must be the
+ones the trainer sent for the version the engine is labelled with, and that loader must be the
+served model's: fingerprints of θ_v taken on both sides, in checkpoint coordinates, compared exactly.
 
 Why not the on-policy guard (pace/mismatch.py) alone: in bf16 its bound is 0.2 nats a token (the
 two sides' rounding gives ~5e-3), while an engine one version behind at lr 1e-6 differs by ~1e-3.
@@ -8,26 +9,37 @@ that does not serve, an update applied one version late — never trips it on a 
 probe whose engine log-probs must move with every version: an engine one version late moves too
 (θ_{v−1} ≠ θ_{v−2}), and a probe checked against the trainer needs a bf16 floor that hides the
 ~1e-3 it looks for. A fingerprint needs neither: it compares bytes, so it is exact in any dtype
-and catches an engine that is any number of versions behind, or holds no update at all.
+and catches an engine whose loader received another version's tensors (any number of versions
+behind) or none since it started, or whose loader is not the served model's.
 
 What is compared. The trainer's side: each tensor as it is sent (`CastSource`: the parameter cast to
-the engine dtype, gathered whole; named as the checkpoint names it), on trainer rank 0's device.
+the engine dtype, gathered whole; named as the checkpoint names it), on trainer rank 0's device;
+only the pass that sends (a checkpoint's copy of θ is not fingerprinted).
 The engines' side: each tensor the serving model's `load_weights` receives during the update, on
 the engine worker's device, in every worker (each receives whole tensors and shards them itself);
 pace/rollout/reload.py takes them in the same wrapper whose names its audit reads, which every
 backend's receive path goes through (shm, gloo, nccl, ipc, in-process or not, HTTP servers). The
-worker also says whether that model is the one its runner serves. Fingerprints of what the engine
-*holds* after loading would need each model's loader inverted (fused qkv/gate_up projections,
-tensor-parallel shards, stacked MoE experts, CPU kernel repacking); what loading does after receipt
-is checked by the reload's audit (every layer got all its elements) and, in float32, by the
-on-policy guard. Only one integer a tensor crosses processes (`collective_rpc`, JSON for servers).
+worker also says whether that model is the one its runner serves. What is checked is therefore
+receipt: an engine given the right tensors that then does not apply them is not seen here.
+Fingerprints of what the engine *holds* after loading would need each model's loader inverted
+(fused qkv/gate_up projections, tensor-parallel shards, stacked MoE experts, CPU kernel repacking);
+what loading does after receipt is checked by the reload's audit (every layer got all its
+elements) and, in float32, by the on-policy guard. Only one integer a tensor crosses processes
+(`collective_rpc`, JSON for servers).
 
 The fingerprint of a tensor: its bytes read as int16 (uint8 for one-byte dtypes), each times a
 weight w_i = (i·A mod P) + 1 that depends on its position i (P = 32749, prime), summed exactly in
-integers: independent of device, reduction order and rounding. A change of any one element changes
-it (by δ·w_i ≠ 0); several changes, a transposed or a shifted tensor change it unless their terms
-cancel exactly (chance ~1/P or less). Cost: three elementwise passes over what is sent, on the
-device that holds it (~22 bytes of memory traffic an element) and one device sync a tensor: ~0.1 s
+integers: independent of device, reduction order and rounding (|int16 · w_i| < 2^30, so the int64
+sum is exact for tensors under 2^33 int16 elements, 16 GiB). A change of any one element changes it
+(by δ·w_i ≠ 0). The weights repeat every P positions: the fingerprint is Σ_r w_r·S_r over the P sums
+S_r of the elements at positions ≡ r (mod P), so a change that keeps every S_r — two elements
+exchanged, or a block moved, between positions a multiple of P apart — is never seen. Any other
+change (other values, a transpose, a shift by other than a multiple of P) is missed only if its
+terms cancel exactly, Σ δ_i·w_i = 0. The weights guard against what a sync gets wrong (another
+version's tensors, none, a transposed or shifted layout), not against a deliberate exchange.
+Cost: three elementwise passes over what is sent, on the device that holds it (~22 bytes of memory
+traffic an element); the sums stay there, queued, until the pass ends and are read at once (one
+device sync a side per sync, not one a tensor: a receive on a side stream keeps its overlap): ~0.1 s
 a side per sync for an 8B model at an H100's bandwidth (an estimate: not yet run on a GPU); on CPU
 0.09 G elements/s on one thread (the tiny model: 1.5 ms a side per sync).
 
@@ -42,7 +54,7 @@ import torch
 
 from pace.mismatch import SyncMismatch
 
-P = 32749  # prime below 2^15: |int16 · w| < 2^30, a chunk's sum < 2^52
+P = 32749  # prime below 2^15: |int16 · w| < 2^30 (int32), a chunk's sum < 2^52, a tensor's < 2^63
 A = 40503
 CHUNK = P * 128  # a multiple of P: every chunk has the same weights (~4.2M elements, ~17 MB of int32)
 KEEP = 4  # versions of sent fingerprints kept (an engine found one is named by how far behind it is)
@@ -57,29 +69,55 @@ def _position_weights(device: torch.device) -> torch.Tensor:
     return w
 
 
-def tensor_fingerprint(t: torch.Tensor) -> int:
-    """Σ_i bits_i · w_i over ``t``'s bytes as int16 (exact: the same integer on any device)."""
+def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Σ_i bits_i · w_i over ``t``'s bytes as int16, a 0-d int64 tensor on ``t``'s device: queued,
+    not read (no device sync)."""
     flat = t.detach().contiguous().reshape(-1)
     raw = flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.view(torch.uint8)
     if raw.numel() == 0:
-        return 0
+        return torch.zeros((), dtype=torch.int64, device=raw.device)
     w, sums = _position_weights(raw.device), []
     for start in range(0, raw.numel(), CHUNK):
         part = raw[start : start + CHUNK].to(torch.int32)
         sums.append(part.mul_(w[: part.numel()]).sum(dtype=torch.int64))
-    return int(torch.stack(sums).sum())
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+
+
+def tensor_fingerprint(t: torch.Tensor) -> int:
+    """``t``'s fingerprint as an integer (exact: the same on any device; one device sync)."""
+    return int(device_fingerprint(t))
+
+
+def read(values: dict[str, torch.Tensor]) -> dict[str, int]:
+    """0-d tensors by name as integers: one device sync for them all (every stream of each CUDA
+    device first, so that sums queued on a side stream, as the engines' receive uses, are done)."""
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in values.items():
+        by_device.setdefault(value.device, []).append(name)
+    out: dict[str, int] = {}
+    for device, names in by_device.items():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.update(zip(names, torch.stack([values[n] for n in names]).tolist()))
+    return {name: out[name] for name in values}
 
 
 class Fingerprints:
-    """Fingerprints of one update's tensors by name, as they pass (either side)."""
+    """Fingerprints of one update's tensors by name, as they pass (either side): kept on the
+    tensors' device while the update runs, read at once at its end (`prints`)."""
 
     def __init__(self):
-        self.prints: dict[str, int] = {}
+        self._sums: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        value = tensor_fingerprint(tensor)
+        value = device_fingerprint(tensor)
         # a name received twice (in parts) cannot match the whole tensor's: kept as a mismatch
-        self.prints[name] = value if name not in self.prints else self.prints[name] + value + 1
+        self._sums[name] = value if name not in self._sums else self._sums[name] + value + 1
+
+    @property
+    def prints(self) -> dict[str, int]:
+        """Every fingerprint so far as an integer (one device sync)."""
+        return read(self._sums)
 
 
 class StaleEngine(SyncMismatch):
@@ -104,7 +142,7 @@ def describe(version: int, expected: dict[str, int], got, sent: dict[int, dict[s
     parts = [f"{len(differ)} of {len(expected)} tensors differ from the trainer's (first: {differ[0]})" if differ else "",
              f"{len(missing)} were not received (first: {missing[0]})" if missing else "",
              f"{len(extra)} were received that it did not send (first: {extra[0]})" if extra else ""]
-    text = f"is labelled θ_{version} but holds other weights: {'; '.join(p for p in parts if p)}"
+    text = f"is labelled θ_{version} but received other weights: {'; '.join(p for p in parts if p)}"
     same = [v for v, prints in sent.items() if v != version and prints == got]
     if same:
         behind = version - max(same)
@@ -123,6 +161,8 @@ class SentWeights:
         self._lock = threading.Lock()
 
     def expect(self, version: int, prints: dict[str, int]) -> None:
+        if not isinstance(version, int):  # a pass over the source that sent no version
+            raise ValueError(f"sent weight fingerprints need the version sent, got version {version!r}")
         with self._lock:
             self._sent[version] = dict(prints)
             for v in sorted(self._sent)[: -self.keep]:

@@ -41,6 +41,9 @@ class WeightSync:
         sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/fingerprint.py
         on_sent = None if sent is None else lambda prints: sent.expect(self._sending, prints)
         source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype), on_sent)
+        # a checkpoint's copy of θ (`weights`) walks the same tensors without fingerprints: only what
+        # is sent is θ_version's as the engines get it, and a copy may come between syncs
+        self.copies = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype))
         rank = self.acc.process_index
         self.cfg, self.rollout, self.source = cfg, rollout, source
         if self.backend == transfer.BACKEND:
@@ -97,7 +100,7 @@ class WeightSync:
             with self._written[1]["lock"]:
                 return transfer.read_slot(self._written[1]["info"])
         main, out = self.acc.is_main_process, []
-        for name, t in self.engine.source:  # every rank iterates: each parameter is a collective
+        for name, t in self.copies:  # every rank iterates: each parameter is a collective
             if main:  # only rank 0 keeps a host copy (16 GB for an 8B model)
                 out.append((name, t.to("cpu", copy=True)))
         return out if main else None

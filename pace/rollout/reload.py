@@ -149,7 +149,9 @@ class ExactReload:
     from `take_failure()` (pace/rollout/transfer.py's `WorkerExtension`, pace/rollout/fleet.py).
 
     With `fingerprinting` on, the tensors `load_weights` receives are fingerprinted as they pass
-    (pace/fingerprint.py); `fingerprint` holds those of the last finished update, None before one."""
+    (pace/fingerprint.py: queued on the device, read once when the update finishes, so a receive on
+    a side stream is not held per tensor); `fingerprint` holds those of the last finished update,
+    None before one."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,4 +1,5 @@
-"""An engine that does not hold the weights it is labelled with, in bf16, where the on-policy guard
+"""An engine whose loader receives weights other than those it is labelled with, in bf16 (injected
+into `load_weights`: what the fingerprint observes), where the on-policy guard
 (pace/mismatch.py, bound 0.2 nats a token) cannot see it: the weight fingerprints after each sync
 (pace/fingerprint.py) stop the run at that sync; a correct bf16 run is silent. Real tiny runs (vLLM
 CPU engine in bf16, grading processes, trainer), ~35 s each on 2 cores."""
@@ -43,7 +44,7 @@ def test_an_engine_one_version_behind_in_bf16_stops_the_run_at_that_sync(tiny_mo
     assert "injected: θ_2 labelled on the weights of the update before it" in proc.stderr
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: rollout engine worker 0 is labelled θ_2 but holds other weights: "), last
+    assert last.startswith("error: rollout engine worker 0 is labelled θ_2 but received other weights: "), last
     assert "they are θ_1's: the engine is 1 version behind" in last and "Traceback" not in proc.stderr
     assert max(diffs) < 0.2  # what the on-policy guard alone would have let pass
     summary = _summary(tmp_path)

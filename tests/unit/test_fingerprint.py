@@ -47,6 +47,43 @@ def test_one_bf16_ulp_anywhere_a_transpose_or_a_shift_changes_it_and_the_layout_
     assert fp.tensor_fingerprint(big) != 0
 
 
+def test_a_pass_reads_its_fingerprints_once_at_its_end_not_one_tensor_at_a_time():
+    """Each tensor's sum stays on its device (a meta tensor has no values to read: adding it would
+    fail if `add` read one); `prints` reads them all, and equals the integers one by one."""
+    lazy = fp.Fingerprints()
+    lazy.add("a", torch.ones(5, dtype=torch.bfloat16, device="meta"))
+    lazy.add("b", torch.ones(fp.CHUNK + 3, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(NotImplementedError):
+        lazy.prints  # noqa: B018 - the one read
+    gen = torch.Generator().manual_seed(2)
+    tensors = {"a": torch.randn(7, 3, generator=gen).to(torch.bfloat16), "b": torch.randn(fp.CHUNK + 9, generator=gen),
+               "c": torch.empty(0, dtype=torch.bfloat16)}
+    prints = fp.Fingerprints()
+    for name, t in tensors.items():
+        prints.add(name, t)
+    prints.add("a", tensors["a"])  # received twice: not the whole tensor's
+    expected = {name: _reference(t) for name, t in tensors.items()}
+    expected["a"] = 2 * expected["a"] + 1
+    assert prints.prints == expected and list(prints.prints) == ["a", "b", "c"]
+
+
+def test_an_exchange_is_seen_unless_the_positions_are_a_multiple_of_p_apart():
+    """The documented limit: the position weights repeat every P elements, so two elements
+    exchanged between positions k·P apart leave it unchanged; at any other distance it changes."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3 * fp.P + 10, generator=gen).to(torch.bfloat16)
+    base = fp.tensor_fingerprint(w)
+
+    def swapped(i, j):
+        out = w.clone()
+        out[i], out[j] = w[j], w[i]
+        assert not torch.equal(out, w)
+        return fp.tensor_fingerprint(out)
+
+    assert swapped(5, 5 + fp.P) == base and swapped(7, 7 + 2 * fp.P) == base
+    assert all(swapped(5, 5 + d) != base for d in (1, fp.P - 1, fp.P + 1, 2 * fp.P + 3))
+
+
 def _prints(scale: float) -> dict[str, int]:
     return {"a.weight": int(100 * scale), "b.weight": int(200 * scale), "c.bias": 7}
 
@@ -71,7 +108,7 @@ def test_a_worker_with_the_sent_weights_passes_and_every_worker_is_judged():
 
 def test_an_engine_a_version_behind_is_named_with_how_far():
     assert str(_sent().judge(5, [_prints(2)])) == (
-        "rollout engine worker 0 is labelled θ_5 but holds other weights: 2 of 3 tensors differ from the trainer's "
+        "rollout engine worker 0 is labelled θ_5 but received other weights: 2 of 3 tensors differ from the trainer's "
         "(first: a.weight); they are θ_4's: the engine is 1 version behind (weight fingerprints after the sync "
         "of θ_5; trainer.sync_fingerprint)")
     assert "they are θ_3's: the engine is 2 versions behind" in str(_sent().judge(5, [_prints(1)]))
@@ -153,3 +190,68 @@ def test_a_worker_reports_its_fingerprints_only_when_asked_and_only_for_the_mode
     worker.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Linear(1, 1))  # it serves another model
     assert WorkerExtension.pace_weight_fingerprint(worker) == (
         "loaded its updates into a _Toy that is not the model it serves (Linear)")
+
+
+class _Rollout:
+    """Rank 0's rollout for a real `WeightSync` on the gloo backend with no engine workers (a group
+    of one): the calls run here (no thread), the broadcast goes nowhere, the judge's store is real."""
+
+    ident = None
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.sent_weights = fp.SentWeights()
+        self.engine = SimpleNamespace(load=lambda info: None)
+        self.loaded: list[int] = []
+
+    def init_weight_transfer_engine(self, info):
+        pass
+
+    def begin_update(self):
+        pass
+
+    def end_update(self, version):
+        self.loaded.append(version)
+
+
+def test_only_the_sending_pass_is_fingerprinted_not_a_checkpoint_s_between_syncs():
+    """`rollout.sync_every=2`: θ_1 is checkpointed (`weights`) before any sync, θ_2 synced, θ_3
+    checkpointed again. The sent fingerprints are θ_2's alone: a checkpoint's pass over the source
+    neither records a version (None before the first sync) nor overwrites the last synced one."""
+    from types import SimpleNamespace
+
+    from pace.config import Config
+    from pace.sync import WeightSync
+
+    cfg = Config()
+    cfg.model.dtype, cfg.rollout.weight_transfer, cfg.rollout.engines = "bfloat16", "gloo", 0
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    rollout = _Rollout()
+    trainer = SimpleNamespace(model=model, acc=SimpleNamespace(process_index=0, is_main_process=True))
+    sync = WeightSync(cfg, trainer, rollout, "cpu")
+    try:
+        def step():
+            with torch.no_grad():
+                model[0].weight.add_(0.25)
+
+        def prints():
+            return {n: fp.tensor_fingerprint(p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()}
+
+        step()
+        assert len(sync.weights(1)) == 4  # a checkpoint at a step with no sync due
+        step()
+        sync.prepare(2)
+        sync.weights(2)  # the step's checkpoint, before the sync
+        synced = prints()
+        sync.publish(2)
+        step()
+        sync.weights(3)  # a checkpoint between syncs: newer weights
+        assert rollout.loaded == [2] and rollout.sent_weights.expects(2)
+        assert [v for v in range(4) if rollout.sent_weights.expects(v)] == [2]
+        assert rollout.sent_weights.judge(2, [synced]) is None  # θ_2's, not θ_3's
+    finally:
+        sync.close()
+    with pytest.raises(ValueError, match="version None"):
+        fp.SentWeights().expect(None, {"a": 1})

@@ -107,7 +107,7 @@ def test_streamed_weights_are_copied_to_host_on_rank_0_only(main):
 
     _Tensor.copies = 0
     sync = SimpleNamespace(backend="nccl", acc=SimpleNamespace(is_main_process=main),
-                           engine=SimpleNamespace(source=source()))
+                           copies=source())
     out = WeightSync.weights(sync, version=3)
     assert walked == [0, 1, 2]
     assert (len(out), _Tensor.copies) == (3, 3) if main else (out, _Tensor.copies) == (None, 0)
