@@ -69,7 +69,7 @@ def rank_0(ending: str, ready: Path) -> None:
     while peer.value != 2.0 and time.monotonic() - t0 < 60:  # rank 1's part arrived
         pass
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 0.5:  # the worker marks the work done and waits for the GIL to free it
+    while time.monotonic() - t0 < 1.0:  # the worker marks the work done and waits for the GIL to free it
         pass
     if ending == "destroy":
         return  # the interpreter's exit
