@@ -31,7 +31,7 @@ from typing import Callable, NoReturn
 def end_processes(code: int = 0, barrier: Callable[[], None] | None = None) -> NoReturn:
     """Ends this rank with exit status ``code``. With ``barrier`` (a collective every rank calls,
     e.g. `torch.distributed.barrier`) no rank leaves before all have arrived: pass it on the
-    normal path only, where every rank gets here; a rank that stopped alone would wait for ever.
+    normal path only, where every rank gets here: a rank that stopped alone would wait out the timeout.
     Runs without torch.distributed too (one process): the same exit."""
     dist = sys.modules.get("torch.distributed")  # never imported: no process group to end
     if dist is not None and dist.is_available() and dist.is_initialized():
