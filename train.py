@@ -431,14 +431,15 @@ def run(cfg: DictConfig) -> None:
                 sync.close()
             pool.check_accounting()
             print(f"{status}: {trainer.version} steps, fates {counts}, logs in {run_dir}", file=sys.stderr)
-    if world > 1:  # the process group's threads stop before the interpreter does (a gloo exit can abort otherwise)
-        accelerator.end_training()
-    if stop.requested:
-        if saved is not None:
-            print(f"resume with: python train.py resume={run_dir}", file=sys.stderr)
-        sys.exit(128 + stop.signum)
-    if status == "interrupted":
-        sys.exit(130)
+    code = 128 + stop.signum if stop.requested else 130 if status == "interrupted" else 0
+    if stop.requested and saved is not None:
+        print(f"resume with: python train.py resume={run_dir}", file=sys.stderr)
+    if world > 1:  # gloo's threads can abort the interpreter's exit (pace/teardown.py); every rank ends here
+        from pace.teardown import end_processes
+
+        end_processes(code, barrier=control.barrier if status == "finished" else None)
+    if code:
+        sys.exit(code)
 
 
 def stop_and_checkpoint(checkpointer, parts, version: int, why: str):

@@ -119,5 +119,6 @@ def main(model_path: str, layouts: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:] or ["count"])
-    if torch.distributed.is_initialized():  # gloo's threads must stop before the interpreter does (else SIGABRT at exit)
-        torch.distributed.destroy_process_group()
+    from pace.teardown import end_processes
+
+    end_processes(0, barrier=torch.distributed.barrier)  # no interpreter finalisation under gloo's threads

@@ -75,5 +75,6 @@ def main(arch: str) -> None:
 if __name__ == "__main__":
     for arch in sys.argv[1:]:  # one launch for several architectures (each prepared on its own)
         main(arch)
-    if torch.distributed.is_initialized():  # gloo's threads must stop before the interpreter does
-        torch.distributed.destroy_process_group()
+    from pace.teardown import end_processes
+
+    end_processes(0, barrier=torch.distributed.barrier)  # no interpreter finalisation under gloo's threads
