@@ -273,6 +273,21 @@ def test_resume_of_a_checkpoint_saved_before_data_dedup_keeps_every_row(tmp_path
     assert resume_config(compose_cfg([]), ckpt, [f"resume={ckpt}"]).data.dedup is True
 
 
+def test_resume_may_set_the_device_memory_and_an_old_checkpoint_resumes_without_it(tmp_path: Path) -> None:
+    """The start-up memory refusal names `trainer.device_memory_gib`: a run resumed on other hardware
+    must be able to set it. A checkpoint saved before the key existed resumes with it null (the check
+    sizes the device itself, as before)."""
+    from pace.checkpoint import resume_config
+
+    ckpt = _saved_config(tmp_path, ["+exp=pace_tiny"])
+    old = OmegaConf.load(ckpt / "config.yaml")
+    del old.trainer["device_memory_gib"]
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(old))
+    assert resume_config(compose_cfg([]), ckpt, [f"resume={ckpt}"]).trainer.device_memory_gib is None
+    now = compose_cfg(["trainer.device_memory_gib=60"])
+    assert resume_config(now, ckpt, [f"resume={ckpt}", "trainer.device_memory_gib=60"]).trainer.device_memory_gib == 60
+
+
 def test_resume_finds_the_newest_checkpoint_and_names_a_bad_path(tmp_path: Path) -> None:
     from pace.checkpoint import STATE_FILE, resolve
 
