@@ -49,6 +49,10 @@ class DataConfig:
     dedup: bool = True
     template: str = "dapo"  # math prompt template: dapo | retool (tool use) | plain (see pace.tasks.math)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+    # With chat_template: every request (rollout turns, validation, eval.py, remote servers) also
+    # stops on the token the template ends an assistant turn with (pace/rollout/stopping.py);
+    # false: the checkpoint's EOS only (checkpoints saved before this key resume with false)
+    stop_on_turn_end: bool = True
     # Qwen3's chat template switch (`enable_thinking`), passed to it when not null; null: the
     # template's own default (Qwen3's hybrid models think by default; the Base models' presets leave it)
     enable_thinking: Optional[bool] = None
@@ -309,7 +313,8 @@ class Config:
 # Config keys added after checkpoints existed -> the value that reproduces a run from before them
 # (`saved_config`). data.dedup: a run from before it sampled every row of the file (its sampler's
 # position indexes that list, and returned prompt ids may be rows the deduplicated list does not have).
-KEYS_ADDED = {"data.dedup": False}
+# data.stop_on_turn_end: a run from before it stopped templated responses on the checkpoint's EOS only.
+KEYS_ADDED = {"data.dedup": False, "data.stop_on_turn_end": False}
 
 
 def saved_config(path, cfg: DictConfig, overrides: list[str], keep=lambda key: False) -> DictConfig:

@@ -56,7 +56,7 @@ class GenerationMixin:
 
         tool = self.tools.turn_kwargs(calls) if self.tools is not None else {}
         if not hasattr(self, "_stop_ids"):  # the same stops as evaluation.sampling_params (pace/rollout/stopping.py)
-            self._stop_ids = stop_token_ids(self.tokenizer, self.cfg.data.chat_template)
+            self._stop_ids = stop_token_ids(self.tokenizer, self.cfg.data)
         return SamplingParams(max_tokens=max_tokens, stop_token_ids=self._stop_ids, **tool, **self._sampling)
 
     def _admit(self) -> bool:
