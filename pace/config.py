@@ -113,7 +113,9 @@ class RolloutConfig:
     # go to a live one; warning, `rollout/engines_alive`) | stop (checkpoint, the cause named)
     on_engine_failure: str = "continue"
     engine_timeout_s: float = 120.0  # server mode: no output for this long with requests in flight, or an update call (pause, resume, label, check) this long = failed
-    server_start_timeout_s: float = 900.0  # server mode: servers this run starts must answer /health by then
+    # server mode: servers this run starts must answer /health by then; engines built at once on
+    # GPUs of their own (child): each build must have spawned its engine core process by then
+    server_start_timeout_s: float = 900.0
     # server mode, nccl/gloo weight transfer: the address of trainer rank 0 the servers connect to
     # (null: 127.0.0.1 when every server is on this host, else this host's address toward the first)
     transfer_address: Optional[str] = None
