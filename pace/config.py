@@ -229,9 +229,13 @@ class TrainerConfig:
     # memory ~12 bytes × vocabulary × chunk. null: the full-vocabulary reference path (all positions at once).
     logprob_chunk: Optional[int] = 1024
     grad_sync: str = "auto"  # auto (FSDP: every micro-batch; DDP: last) | every | last (no_sync before)
-    # With Accelerate mixed precision (bf16 on GPUs): parameters/AdamW state dtype, and FSDP2's
-    # gradient reduce-scatter dtype. Ignored without mixed precision (CPU: model.dtype throughout).
+    # With Accelerate mixed precision (bf16 on GPUs) and no FSDP (DDP, one device): the dtype of the
+    # parameters, gradients and AdamW state. Under FSDP2 they are float32 whatever this says:
+    # Accelerate upcasts every trainable parameter to fp32 once mixed precision is on
+    # (accelerate.utils.fsdp_utils.fsdp2_prepare_model). Ignored without mixed precision (CPU:
+    # model.dtype throughout).
     master_dtype: str = "float32"
+    # With mixed precision under FSDP2: the dtype gradients are reduce-scattered in (MixedPrecisionPolicy)
     reduce_dtype: str = "float32"
     # Memory of one trainer device (GiB) that the start-up check holds the trainer's weights,
     # gradients and AdamW state to (pace/algo/memory_check.py). null: the GPU's total (less a colocated
