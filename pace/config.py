@@ -427,7 +427,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.rollout.top_p != 1:
         # The engine records ℓ^μ of the nucleus-renormalised distribution it samples from, while the
         # trainer's π_θ is the full softmax: the ratio π_θ/μ would be biased on every token (≈0.1
-        # nats at top_p 0.9 on-policy, issue #15). DAPO trains with top_p = 1; eval.top_p may differ.
+        # nats at top_p 0.9 on-policy). DAPO trains with top_p = 1; eval.top_p may differ.
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: training rollouts need top_p = 1 (the trainer's "
                           "log-probs are of the full distribution); set eval.top_p for evaluation")
     if cfg.eval.every < 0:

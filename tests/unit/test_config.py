@@ -123,7 +123,7 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["rollout.max_tokens=256", "rollout.max_model_len=256"], "rollout.max_model_len"),
         (["data.batch_prompts=0"], "data.batch_prompts"),
         (["rollout.top_p=0"], "rollout.top_p"),
-        (["rollout.top_p=0.9"], "training rollouts need top_p = 1"),  # π_θ/μ would be biased (issue #15)
+        (["rollout.top_p=0.9"], "training rollouts need top_p = 1"),  # π_θ/μ would be biased
         (["eval.every=-1"], "eval.every"),
         (["eval.every=5", "eval.benchmarks=[]"], "eval.benchmarks"),
         (["eval.best_within=-1"], "eval.best_within"),
@@ -143,7 +143,7 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["data.max_prompt_tokens=0"], "data.max_prompt_tokens"),
         (["reward.max_failed_in_row=-1"], "reward.max_failed_in_row"),
         (["eval.max_tokens=256"], "eval.max_tokens"),
-        (["algo.clip_ratio_c=1.0"], "algo.clip_ratio_c"),  # the dual clip must be above 1 (issue #18)
+        (["algo.clip_ratio_c=1.0"], "algo.clip_ratio_c"),  # the dual clip must be above 1
         (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c"),
         (["algo.is_correction=tis"], "algo.is_threshold"),
         (["algo.is_correction=trunc"], "algo.is_correction"),
