@@ -29,9 +29,9 @@ from pace.control import Control
 from pace.memory import release_free_heap, rss_mib
 from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.records import Fate
-from pace.signals import deafen_children
 from pace.rollout import stopping
 from pace.rollout.errors import RolloutError
+from pace.signals import deafen_children
 from pace.tasks import loading
 from pace.tasks.math import DataError
 

@@ -59,12 +59,16 @@ def config(chat_template: bool, stop_on_turn_end: bool = True):
 
 
 def rollout_params(cfg, tokenizer):
-    """The rollout thread's request parameters (`RolloutWorker.params`), without an engine."""
-    from pace.rollout.generation import GenerationMixin
+    """The rollout thread's request parameters (`RolloutWorker.params`), from a worker built on a
+    stand-in fleet (no engine)."""
+    from types import SimpleNamespace
 
-    worker = GenerationMixin()
-    worker.cfg, worker.tokenizer, worker.tools, worker._sampling = cfg, tokenizer, None, {}
-    return worker._turn_params(cfg.rollout.max_tokens, calls=0)
+    from pace.pool.plugins import PoolPolicy
+    from pace.rollout.worker import RolloutWorker
+
+    fleet = SimpleNamespace(version=0, engines=[object()], device_type="cpu", in_process=False)
+    worker = RolloutWorker(fleet, tokenizer, None, SimpleNamespace(policy=PoolPolicy(8, 8)), None, cfg)
+    return worker.params
 
 
 def test_the_fixture_checkpoints_are_the_real_ones(tmp_path):
