@@ -53,19 +53,18 @@ def main(cfg: DictConfig) -> None:
         model_path = resolve_model(cfg, progress=True)
         from transformers import AutoTokenizer
 
-        from pace.evaluation import sets_from_config
+        from pace import evaluation
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        sets, dropped = sets_from_config(cfg, tokenizer)
+        sets, dropped = evaluation.sets_from_config(cfg, tokenizer)
+        params = evaluation.sampling_params(cfg, tokenizer, seeded=device == "cuda")  # a template with no turn end fails here
     except (UserError, ConfigError, DataError, selection.SelectionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
-    from pace import evaluation
     from pace.grading import Grader, GraderError
 
     k = cfg.eval.k
-    params = evaluation.sampling_params(cfg, tokenizer, seeded=device == "cuda")
     llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
     # Grading jobs hold ~GRADE_ANSWERS answers; reward.timeout_s is the deadline of a training
     # group's G answers, so each job's deadline is that per answer times the job's size.

@@ -29,9 +29,9 @@ from pace.control import Control
 from pace.memory import release_free_heap, rss_mib
 from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.records import Fate
-from pace.signals import deafen_children
 from pace.rollout import stopping
 from pace.rollout.errors import RolloutError
+from pace.signals import deafen_children
 from pace.tasks import loading
 from pace.tasks.math import DataError
 
@@ -257,7 +257,7 @@ def run(cfg: DictConfig) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         prompts = loading.train_prompts(cfg, tokenizer)
-        stopping.stop_token_ids(tokenizer, cfg.data.chat_template)  # a template with no turn end to stop on fails here
+        stopping.stop_token_ids(tokenizer, cfg.data)  # a template with no turn end to stop on fails here
         if cfg.eval.every > 0:  # in-training validation on the rollout engine
             val_sets = loading.val_sets(cfg, tokenizer)
 

@@ -51,6 +51,7 @@ RESUMABLE = (
     "trainer.steps", "trainer.save_every", "trainer.keep_checkpoints", "logger.mode", "logger.progress",
     "reward.workers", "reward.timeout_s", "reward.max_failed_in_row", "device", "tools.workers", "tools.warm",
     "rollout.resume_inflight", "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps", "trainer.sync_fingerprint", "trainer.dist_timeout_s", "trainer.control_timeout_s",
+    "trainer.device_memory_gib",
 )
 
 

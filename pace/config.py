@@ -49,6 +49,10 @@ class DataConfig:
     dedup: bool = True
     template: str = "dapo"  # math prompt template: dapo | retool (tool use) | plain (see pace.tasks.math)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+    # With chat_template: every request (rollout turns, validation, eval.py, remote servers) also
+    # stops on the token the template ends an assistant turn with (pace/rollout/stopping.py);
+    # false: the checkpoint's EOS only (checkpoints saved before this key resume with false)
+    stop_on_turn_end: bool = True
     # Qwen3's chat template switch (`enable_thinking`), passed to it when not null; null: the
     # template's own default (Qwen3's hybrid models think by default; the Base models' presets leave it)
     enable_thinking: Optional[bool] = None
@@ -109,7 +113,9 @@ class RolloutConfig:
     # go to a live one; warning, `rollout/engines_alive`) | stop (checkpoint, the cause named)
     on_engine_failure: str = "continue"
     engine_timeout_s: float = 120.0  # server mode: no output for this long with requests in flight, or an update call (pause, resume, label, check) this long = failed
-    server_start_timeout_s: float = 900.0  # server mode: servers this run starts must answer /health by then
+    # server mode: servers this run starts must answer /health by then; engines built at once on
+    # GPUs of their own (child): each build must have spawned its engine core process by then
+    server_start_timeout_s: float = 900.0
     # server mode, nccl/gloo weight transfer: the address of trainer rank 0 the servers connect to
     # (null: 127.0.0.1 when every server is on this host, else this host's address toward the first)
     transfer_address: Optional[str] = None
@@ -223,9 +229,13 @@ class TrainerConfig:
     # memory ~12 bytes × vocabulary × chunk. null: the full-vocabulary reference path (all positions at once).
     logprob_chunk: Optional[int] = 1024
     grad_sync: str = "auto"  # auto (FSDP: every micro-batch; DDP: last) | every | last (no_sync before)
-    # With Accelerate mixed precision (bf16 on GPUs): parameters/AdamW state dtype, and FSDP2's
-    # gradient reduce-scatter dtype. Ignored without mixed precision (CPU: model.dtype throughout).
+    # With Accelerate mixed precision (bf16 on GPUs) and no FSDP (DDP, one device): the dtype of the
+    # parameters, gradients and AdamW state. Under FSDP2 they are float32 whatever this says:
+    # Accelerate upcasts every trainable parameter to fp32 once mixed precision is on
+    # (accelerate.utils.fsdp_utils.fsdp2_prepare_model). Ignored without mixed precision (CPU:
+    # model.dtype throughout).
     master_dtype: str = "float32"
+    # With mixed precision under FSDP2: the dtype gradients are reduce-scattered in (MixedPrecisionPolicy)
     reduce_dtype: str = "float32"
     # Memory of one trainer device (GiB) that the start-up check holds the trainer's weights,
     # gradients and AdamW state to (pace/algo/memory_check.py). null: the GPU's total (less a colocated
@@ -309,7 +319,8 @@ class Config:
 # Config keys added after checkpoints existed -> the value that reproduces a run from before them
 # (`saved_config`). data.dedup: a run from before it sampled every row of the file (its sampler's
 # position indexes that list, and returned prompt ids may be rows the deduplicated list does not have).
-KEYS_ADDED = {"data.dedup": False}
+# data.stop_on_turn_end: a run from before it stopped templated responses on the checkpoint's EOS only.
+KEYS_ADDED = {"data.dedup": False, "data.stop_on_turn_end": False}
 
 
 def saved_config(path, cfg: DictConfig, overrides: list[str], keep=lambda key: False) -> DictConfig:
@@ -416,7 +427,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.rollout.top_p != 1:
         # The engine records ℓ^μ of the nucleus-renormalised distribution it samples from, while the
         # trainer's π_θ is the full softmax: the ratio π_θ/μ would be biased on every token (≈0.1
-        # nats at top_p 0.9 on-policy, issue #15). DAPO trains with top_p = 1; eval.top_p may differ.
+        # nats at top_p 0.9 on-policy). DAPO trains with top_p = 1; eval.top_p may differ.
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: training rollouts need top_p = 1 (the trainer's "
                           "log-probs are of the full distribution); set eval.top_p for evaluation")
     if cfg.eval.every < 0:

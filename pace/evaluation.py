@@ -120,7 +120,7 @@ def sampling_params(cfg, tokenizer, seeded: bool = True, k: int | None = None):
 
     return SamplingParams(n=k or cfg.eval.k, max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
                           temperature=cfg.eval.temperature, top_p=cfg.eval.top_p,
-                          stop_token_ids=stop_token_ids(tokenizer, cfg.data.chat_template),
+                          stop_token_ids=stop_token_ids(tokenizer, cfg.data),
                           seed=cfg.seed if seeded else None, output_kind=RequestOutputKind.FINAL_ONLY)
 
 

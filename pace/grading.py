@@ -10,7 +10,7 @@ the parent runs threads and an inference engine, and forking such a process can 
 duplicate GPU state). Using one process per slot means we always know which process runs which
 job, so a kill never takes innocent jobs down with it.
 
-What can go wrong, and what the caller sees (issue #14):
+What can go wrong, and what the caller sees:
 
 - a job overruns its deadline: its worker is killed and replaced; its answers score wrong and
   count under ``reward/timeouts``;

@@ -8,6 +8,11 @@ before anything is written), and ranks ≥ 1 leave Hydra's own output (`.hydra/`
 its sweep folder) in a temporary directory removed when the process exits: `${pace.rank0_dir:…}`
 in conf/config.yaml. Their log records still reach the console, which the launcher keeps.
 A directory given explicitly (`hydra.run.dir=…`) is every rank's as written.
+
+The rank and world size are read as Accelerate reads them (`get_cpu_distributed_information` in
+accelerate/utils/environment.py): torchrun and `accelerate launch` set RANK and WORLD_SIZE, mpirun
+its own (Open MPI's OMPI_COMM_WORLD_*, MPICH's PMI_*, MVAPICH's MV2_COMM_WORLD_*). Only a process
+of a world above one is redirected: a one-process run with a stray RANK keeps its run directory.
 """
 from __future__ import annotations
 
@@ -20,15 +25,34 @@ RESOLVER = "pace.rank0_dir"
 _scratch: str | None = None
 
 
+_RANK = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+_WORLD_SIZE = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _first(names: tuple[str, ...], default: int) -> int:
+    """The first of ``names`` set to a non-negative integer (accelerate's `get_int_from_env`)."""
+    for name in names:
+        value = int(os.environ.get(name, -1))
+        if value >= 0:
+            return value
+    return default
+
+
 def rank() -> int:
-    """This process's rank as the launcher set it (torchrun, `accelerate launch`); 0 without one."""
-    return int(os.environ.get("RANK", "0"))
+    """This process's rank as the launcher set it (torchrun, `accelerate launch`, mpirun); 0 without one."""
+    return _first(_RANK, 0)
+
+
+def world_size() -> int:
+    """The number of processes the launcher started; 1 without one."""
+    return _first(_WORLD_SIZE, 1)
 
 
 def rank0_dir(path: str) -> str:
-    """``path`` on rank 0; on ranks ≥ 1 one temporary directory per process, removed at exit."""
+    """``path`` on rank 0 or in a one-process world; on ranks ≥ 1 one temporary directory per
+    process, removed at exit."""
     global _scratch
-    if rank() == 0:
+    if rank() == 0 or world_size() <= 1:
         return path
     if _scratch is None:
         _scratch = tempfile.mkdtemp(prefix=f"pace-rank{rank()}-hydra-")

@@ -3,7 +3,7 @@ the generated arithmetic task to partial accuracy, built once and cached on disk
 
 RL needs signal: a model that solves everything or nothing gives groups whose rewards are
 all equal, and dynamic sampling filters those. A model that is simply undertrained gives
-signal but RL barely moves it (issue #19: +1 point in 100 steps). So the warm start trains
+signal but RL barely moves it (+1 point in 100 steps). So the warm start trains
 long enough to do every level (``TinySpec.sft_steps``) on traces of which a fraction
 (``TinySpec.error_fraction``) carries one slipped step: the model samples slips at
 temperature 1 (~37% correct on the training mix, falling with the level), and RL can remove

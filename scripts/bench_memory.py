@@ -1,13 +1,13 @@
-"""Host memory of the pool: bytes per pooled token (issue #17), and `pool.capacity` keeping the
-resident size flat when production outruns training (issue #6).
+"""Host memory of the pool: bytes per pooled token, and `pool.capacity` keeping the
+resident size flat when production outruns training.
 
     python scripts/bench_memory.py --records-only           # bytes per pooled token, seconds
     python scripts/bench_memory.py                          # and 150 steps, capacity 256 vs no capacity
     python scripts/bench_memory.py --steps 400 --capacity 128
     python scripts/bench_memory.py -- rollout.max_tokens=192   # extra overrides for both runs
 
-Bytes per pooled token: the same groups built twice, as the per-token record was before issue
-#17 (a dataclass of Python lists, `ListTrajectory` below: an int, a float and an int per token;
+Bytes per pooled token: the same groups built twice, as the per-token record was before
+(a dataclass of Python lists, `ListTrajectory` below: an int, a float and an int per token;
 its decoded `text` left empty, so "before" is a lower bound) and as it is now (`Trajectory`, one
 NumPy structured array, streamed in engine-sized chunks and trimmed at the end), each measured by
 `tracemalloc` (every allocation the groups hold, per-trajectory overhead included) and divided by
@@ -51,7 +51,7 @@ BASE = ["+exp=async_tiny", "data.batch_prompts=8", "trainer.micro_batch_size=2",
 
 @dataclass
 class ListTrajectory:
-    """The per-token record before issue #17 (pace/records.py at 95fa358), for comparison."""
+    """The earlier per-token record (pace/records.py at 95fa358), for comparison."""
 
     response_ids: list
     logprobs: list

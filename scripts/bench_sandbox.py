@@ -1,4 +1,4 @@
-"""Tool-sandbox throughput: calls per second with cold and warm sandboxes, side by side (issue #7).
+"""Tool-sandbox throughput: calls per second with cold and warm sandboxes, side by side.
 
     python scripts/bench_sandbox.py                  # 200 calls each: cold, warm=4, process fallback
     python scripts/bench_sandbox.py --calls 500 --threads 4 --warm 8

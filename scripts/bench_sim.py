@@ -1,4 +1,4 @@
-"""How fast the simulator is, and how its cost grows with B·G and with the length cap (issue #20).
+"""How fast the simulator is, and how its cost grows with B·G and with the length cap.
 
     python scripts/bench_sim.py     # the 300-step 8B scenario (Async, PACE; PACE where it rejects), then the growth table
     python scripts/bench_sim.py --steps 300 --growth-steps 30 --policies pace

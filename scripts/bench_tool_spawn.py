@@ -1,4 +1,4 @@
-"""What tool calls cost the trainer living in the same process, side by side (issue #7).
+"""What tool calls cost the trainer living in the same process, side by side.
 
     python scripts/bench_tool_spawn.py                 # ~2 GB parent, 4 calling threads, 20 s per row
     python scripts/bench_tool_spawn.py --seconds 30 --parent-gb 3

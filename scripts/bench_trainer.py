@@ -1,5 +1,5 @@
 """The trainer's host memory and time per update on CPU with a large vocabulary, old vs new
-log-prob path (issue #17).
+log-prob path.
 
     python scripts/bench_trainer.py                        # 2k, 4k, 8k tokens
     python scripts/bench_trainer.py --lengths 2048 4096
@@ -10,7 +10,7 @@ backward and an AdamW step on one sequence (256 prompt tokens, the rest response
 - new: pace.algo.logprobs (response positions only, `--chunk` positions at a time, recomputed in
   backward), as the trainer runs it now;
 - old: full-vocabulary float32 logits of every position, `log_softmax`, entropy from its `exp`
-  (the trainer before issue #17; `full_logprobs` is that function).
+  (the trainer's earlier path; `full_logprobs` is that function).
 Each (path, length) runs in a process of its own, one after the other, so its peak resident
 size (VmHWM) is its own; printed side by side: peak RSS, its rise over the process with the model
 built, and seconds per update (median of 3 after a warm-up). A run whose rise, extrapolated

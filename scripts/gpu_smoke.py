@@ -1,4 +1,4 @@
-"""The trainer side of a paper run, checked on one GPU before a cluster is booked (issue #30).
+"""The trainer side of a paper run, checked on one GPU before a cluster is booked.
 
     python scripts/gpu_smoke.py            # one H100 or H200, ≤ 8 minutes by estimate (not yet run: README)
     python scripts/gpu_smoke.py --tiny     # CPU, tiny models, ~1 minute (the test suite runs this)

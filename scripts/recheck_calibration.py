@@ -1,5 +1,5 @@
 """Re-simulate a calibration's runs with the current code against the real values it stored, for when
-the real runs are not on the machine (reports/sim/calibration.json keeps them; issue #20).
+the real runs are not on the machine (reports/sim/calibration.json keeps them).
 
     python scripts/recheck_calibration.py                       # every run of reports/sim/calibration.json
     python scripts/recheck_calibration.py pace_s0 pace_raw_s0   # some of them

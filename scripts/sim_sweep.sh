@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A Hydra multirun sweep of the simulator and its trade-off figure (issue #20): PACE's target pool n*
+# A Hydra multirun sweep of the simulator and its trade-off figure: PACE's target pool n*
 # × the number of rollout engines, and Async at the same engine counts, on the 8B scenario where the
 # paper's Figure 8 lands (conf/sim/qwen3_8b_fig8.yaml) → reports/sim/sweep/tradeoff.{md,png,json}.
 #

@@ -98,8 +98,9 @@ def check_memory(cfg, model_path: str, accelerator, device: str) -> None:
 
 def step_estimate(cfg, model_path: str, fsdp: bool) -> int | None:
     """A micro-batch's activations and temporaries above the states (memory_budget.step_bytes) at the
-    token budget, one row; None without a budget or chunked log-probs, or for a config whose shapes
-    memory_budget.Shapes cannot read."""
+    token budget, one row; None without a budget or chunked log-probs. It only feeds a warning and
+    runs on rank 0 alone while the other ranks wait at the next barrier, so any error in it (a config
+    whose shapes memory_budget.Shapes cannot read, say) is one warning and None, never a stop."""
     tokens, chunk = cfg.trainer.max_tokens_per_micro_batch, cfg.trainer.logprob_chunk
     if tokens is None or chunk is None:
         return None
@@ -109,7 +110,10 @@ def step_estimate(cfg, model_path: str, fsdp: bool) -> int | None:
         shapes = mb.Shapes.of(AutoConfig.from_pretrained(model_path))
         return mb.step_bytes(shapes, tokens, tokens, chunk, cfg.model.dtype, cfg.model.gradient_checkpointing,
                              fsdp=fsdp, reduce=cfg.trainer.reduce_dtype)["total"]
-    except (TypeError, AttributeError):  # not a decoder of the layout it knows
+    except Exception as exc:  # noqa: BLE001 - an estimate, not a check: warned, skipped
+        cause = ": ".join([type(exc).__name__, *str(exc).splitlines()[:1]])
+        print(f"warning: the micro-batch memory estimate (pace/algo/memory_budget.py) was skipped: {cause}",
+              file=sys.stderr, flush=True)
         return None
 
 

@@ -134,7 +134,8 @@ class DAPOTrainer:
         t = cfg.trainer
         compute = getattr(torch, cfg.model.dtype)
         # With Accelerate's mixed precision (GPU presets: bf16) the parameters, gradients and AdamW
-        # state are kept in `trainer.master_dtype` and the forward runs in `model.dtype` (FSDP2's
+        # state are kept in `trainer.master_dtype` (under FSDP2 always float32: Accelerate upcasts
+        # them in `prepare`) and the forward runs in `model.dtype` (FSDP2's
         # MixedPrecisionPolicy, or autocast under DDP): bf16 weights would round away updates of
         # lr 1e-6. Without it the model is trained in `model.dtype` (the CPU runs: float32).
         mixed = accelerator.mixed_precision in ("bf16", "fp16")

@@ -186,6 +186,13 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str
     What a core process inherits is read from this process's environment when vLLM spawns it (its
     GPUs, no launcher variables), so the spawns stay one at a time: each engine's environment is
     set, its build started, and restored as soon as its core process exists (`_started_core`).
+    The window is not closed: engine e's thread goes on running vLLM code in this process while engine
+    e+1's environment is set, and vLLM reads most of its variables lazily (`vllm.envs`, on each
+    access), so a variable read there after its core process exists sees the next engine's value.
+    `_engine_process_env` sets only what the core process must inherit (its GPUs, no launcher
+    variables), which that code does not read. A build that spawns no core process within
+    `rollout.server_start_timeout_s` fails the fleet, naming the engine (its thread, which cannot be
+    stopped, is left behind; an engine it still makes is shut down).
     Engines e ≥ 1 keep their compile caches apart (VLLM_CACHE_ROOT/pace-engine-e): separate `LLM`s
     share vLLM's cache directory (rank 0 of data-parallel rank 0 each) and would write it at once.
     In-process engines share this process's vLLM state: built one after another."""
@@ -196,25 +203,27 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str
     if mode != "child" or len(gpus) == 1 or not own_gpus:
         return [build_engine(model_path, rollout_cfg, dtype, seed + e, mode, backend, gpus[e])
                 for e in range(len(gpus))]
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import wait
 
     import vllm  # imported once here, not by the threads at once
     import vllm.envs
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     cache_root = vllm.envs.VLLM_CACHE_ROOT
-    pool = ThreadPoolExecutor(max_workers=len(gpus), thread_name_prefix="pace-engine-build")
     futures, error = [], None
     try:
         for e, engine_gpus_ in enumerate(gpus):
             with _engine_process_env("child", engine_gpus_, cache_root=None if e == 0 else
                                      os.path.join(cache_root, f"pace-engine-{e}")):
                 before = _core_processes()
-                futures.append(pool.submit(_new_llm, model_path, rollout_cfg, dtype, seed + e, backend))
-                _started_core(before, futures[-1])
+                futures.append(_in_thread(f"pace-engine-build-{e}", _new_llm, model_path, rollout_cfg, dtype,
+                                          seed + e, backend))
+                _started_core(before, futures[-1], e, rollout_cfg.server_start_timeout_s)
     except BaseException as exc:  # noqa: BLE001 - raised below, once the builds started have ended
         error = exc
-    pool.shutdown(wait=True)  # every build started has ended: its engine is up, or it failed
+        if isinstance(exc, TimeoutError):  # the hung build is not waited for; an engine it makes is shut down
+            futures.pop().add_done_callback(lambda f: f.exception() is None and shutdown(f.result()))
+    wait(futures)  # every build started (but a hung one) has ended: its engine is up, or it failed
     error = error or next((f.exception() for f in futures if f.exception() is not None), None)
     if error is not None:
         for f in futures:  # no engine of a failed fleet is left running
@@ -224,18 +233,41 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str
     return [f.result() for f in futures]
 
 
+def _in_thread(name: str, fn, *args):
+    """``fn(*args)`` in a daemon thread of its own; its future. (Not a ThreadPoolExecutor: its threads
+    are joined at interpreter exit, and a hung build would keep the process from exiting.)"""
+    import threading
+    from concurrent.futures import Future
+
+    future = Future()
+
+    def run():
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - the caller reads it from the future
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 def _core_processes() -> set[int]:
     import multiprocessing
 
     return {p.pid for p in multiprocessing.active_children() if p.name.startswith("EngineCore")}
 
 
-def _started_core(before: set[int], build, poll_s: float = 0.01) -> None:
-    """Wait until the build ``build`` (a future) has spawned its engine core process (vLLM names it
-    EngineCore) or has ended."""
+def _started_core(before: set[int], build, engine: int, timeout_s: float, poll_s: float = 0.01) -> None:
+    """Wait until the build ``build`` (a future) of engine ``engine`` has spawned its engine core
+    process (vLLM names it EngineCore) or has ended; TimeoutError after ``timeout_s``."""
     import time
 
+    deadline = time.monotonic() + timeout_s
     while not build.done() and not (_core_processes() - before):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rollout engine {engine}: no EngineCore process {timeout_s:g} s after its build "
+                               f"started (rollout.server_start_timeout_s={timeout_s:g})")
         time.sleep(poll_s)
 
 

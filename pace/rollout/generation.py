@@ -19,7 +19,6 @@ import numpy as np
 from pace.algo.advantages import correctness_reward, group_advantages, overlong_penalty
 from pace.records import Group, Trajectory
 from pace.rollout import engine as engine_lib
-from pace.rollout.stopping import stop_token_ids
 from pace.tools.runner import is_tool_stop
 
 
@@ -55,8 +54,6 @@ class GenerationMixin:
         from vllm import SamplingParams
 
         tool = self.tools.turn_kwargs(calls) if self.tools is not None else {}
-        if not hasattr(self, "_stop_ids"):  # the same stops as evaluation.sampling_params (pace/rollout/stopping.py)
-            self._stop_ids = stop_token_ids(self.tokenizer, self.cfg.data.chat_template)
         return SamplingParams(max_tokens=max_tokens, stop_token_ids=self._stop_ids, **tool, **self._sampling)
 
     def _admit(self) -> bool:

@@ -16,6 +16,8 @@ closes its turn goes on writing (a next turn, another answer) until <|endoftext|
 `rollout.max_tokens`: lengths, the overlong penalty and the graded answer would all come from text
 after the turn. So the rollout and every evaluation stop on the turn end too (`stop_token_ids`);
 without `data.chat_template` the prompt is raw text and only the EOS ends a response.
+`data.stop_on_turn_end: false` keeps the EOS only (a checkpoint saved before the turn-end stop
+resumes with it false: `KEYS_ADDED` in pace/config.py).
 """
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ def turn_end_id(tokenizer) -> int:
     return ids[0]
 
 
-def stop_token_ids(tokenizer, chat_template: bool) -> list[int]:
-    """The `stop_token_ids` of every generation request (rollout turns, validation, eval.py): the
-    template's turn end when prompts are wrapped in it (`data.chat_template`), else none (vLLM adds
-    the checkpoint's EOS ids itself)."""
-    return [turn_end_id(tokenizer)] if chat_template else []
+def stop_token_ids(tokenizer, data) -> list[int]:
+    """The `stop_token_ids` of every generation request (rollout turns, validation, eval.py), from the
+    `data` config group: the template's turn end when prompts are wrapped in it (`data.chat_template`)
+    and `data.stop_on_turn_end`, else none (vLLM adds the checkpoint's EOS ids itself)."""
+    return [turn_end_id(tokenizer)] if data.chat_template and data.stop_on_turn_end else []

@@ -34,6 +34,7 @@ from pace.rollout.fleet import EngineFleet
 from pace.rollout.generation import GenerationMixin
 from pace.rollout.rescoring import RescoringMixin
 from pace.rollout.resuming import ResumingMixin
+from pace.rollout.stopping import stop_token_ids
 from pace.rollout.tool_turns import ToolTurnsMixin
 from pace.rollout.validating import Validation, ValidationMixin
 from pace.tasks.base import PromptSampler
@@ -67,6 +68,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             output_kind=RequestOutputKind.DELTA,
             detokenize=bool(self.max_tool_calls),  # stop strings are matched on detokenized text
         )
+        # every turn's stop tokens, the same as evaluation.sampling_params' (pace/rollout/stopping.py)
+        self._stop_ids = stop_token_ids(tokenizer, cfg.data)
         self.engine_version = 0  # weights loaded in the engines
         self.trainer_version = 0  # set by the trainer thread after each update
         self.error: BaseException | None = None

@@ -1,4 +1,4 @@
-"""Generated products and long sums that are much easier with the Python tool (issue #7's tiny task).
+"""Generated products and long sums that are much easier with the Python tool (the tiny multi-turn tool task).
 
 A prompt is the bare expression, ``"4821*937=?\\n"``. Worked in the head, a product of two
 multi-digit numbers is out of the tiny model's reach; with the tool it is one line of code. The

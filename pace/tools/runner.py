@@ -1,4 +1,4 @@
-"""Tool calls of multi-turn rollouts, run beside the engine (issue #7).
+"""Tool calls of multi-turn rollouts, run beside the engine.
 
 The rollout thread (or an evaluation) hands over the text of a turn that stopped at `CODE_STOP`
 (`submit` returns at once); the program runs in the sandbox on a thread pool of `tools.workers`

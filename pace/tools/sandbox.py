@@ -1,4 +1,4 @@
-"""Run untrusted Python (a model's tool call) in a sandbox and return what it printed (issue #7).
+"""Run untrusted Python (a model's tool call) in a sandbox and return what it printed.
 
 Backend `bwrap` (Debian's bubblewrap, installed by scripts/setup.sh), one fresh sandbox per call:
     namespaces   --unshare-all: no network (only a loopback-less net namespace), own PIDs, IPC, UTS

@@ -41,7 +41,7 @@ LAYOUTS = {
     "packed": {"max_tokens_per_micro_batch": 30, "packing": True},
     "fsdp_every": {"max_tokens_per_micro_batch": 30, "packing": True, "grad_sync": "every"},
     "fsdp_last": {"max_tokens_per_micro_batch": 30, "packing": True, "grad_sync": "last"},
-    # M2PO (Algorithm 1): its mask decided over the mini-batch of every rank (issue #18)
+    # M2PO (Algorithm 1): its mask decided over the mini-batch of every rank
     "m2po_count": {"micro_batch_size": 2, "algo.name": "m2po", "algo.m2_threshold": 2.0},
     "m2po_tokens": {"max_tokens_per_micro_batch": 30, "algo.name": "m2po", "algo.m2_threshold": 2.0},
 }

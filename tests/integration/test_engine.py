@@ -175,7 +175,7 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
     load_weights(llm, weights)  # leave the shared engine as it was
 
 
-# ---------------------------------------------------------------- weights that really reach the engine (#15)
+# ---------------------------------------------------------------- weights that really reach the engine
 
 def _moved(tiny_model_path, seed: int, scale: float = 0.05):
     """The tiny model with every parameter moved by N(0, scale²): (HF model, its state dict as the

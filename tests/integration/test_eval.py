@@ -49,3 +49,21 @@ def test_eval_of_a_run_whose_selected_version_has_no_weights_fails_in_one_line(t
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (f"error: {run}: the selected version θ_30 has no checkpoint "
                                                     f"({run / 'best'} is not a model directory)")
+
+
+def test_eval_fails_in_one_line_on_a_chat_template_with_no_turn_end_to_stop_on(tiny_model_path, tmp_path):
+    """`data.chat_template=true` with a template that ends a turn with plain text: the stop tokens
+    (pace/rollout/stopping.py) cannot be found, and eval.py says so in one line before any engine."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    cmd = [sys.executable, str(ROOT / "eval.py"), f"model.path={model}", "data.chat_template=true",
+           f"hydra.run.dir={tmp_path / 'eval'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.chat_template: the chat template ends "
+                                                           "an assistant turn with '\\n'")

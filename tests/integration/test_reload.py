@@ -1,4 +1,4 @@
-"""Weight-reload correctness (issue #16): reloading the weights an engine already holds, through
+"""Weight-reload correctness: reloading the weights an engine already holds, through
 the weight-transfer calls a run's sync uses, must not change what it computes.
 
 The dense tiny model (the default's architecture) is exact: `test_engine.py::

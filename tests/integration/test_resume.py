@@ -1,4 +1,4 @@
-"""Reliability end to end (issue #6): stop by SIGTERM and resume, deterministic resume, injected
+"""Reliability end to end: stop by SIGTERM and resume, deterministic resume, injected
 faults. Real tiny runs: vLLM CPU engine, grading processes, trainer."""
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def _faulty(kind: str, at: int, args: list[str], run_dir, timeout: float = 600):
 @pytest.mark.parametrize("kind, message", [
     ("rollout", "injected rollout fault at θ_2"),
     ("trainer", "injected trainer fault at θ_2"),
-    # issue #14: the grader's own failures stop the run with their cause, never filter forever; the
+    # the grader's own failures stop the run with their cause, never filter forever; the
     # watchdog case also covers collecting grades raising in the rollout thread (GradeJob.result)
     ("grader_dies", "GraderError: grader failed: no grading worker could start (4 attempts each, 1 worker(s)): "
                     "starting the worker raised OSError(12, 'Cannot allocate memory (injected at θ_2)')"),

@@ -2,7 +2,7 @@
 
 Behaviour log-probs here differ from the current policy (off-policy by a chosen amount), responses
 have different lengths and the batch spans several micro- and mini-batches: the cases in which a
-wrong normalisation, a wrong ratio reference or a loss silently reduced to DAPO shows (issue #15,
+wrong normalisation, a wrong ratio reference or a loss silently reduced to DAPO shows (
 points 2 and 3). The reference values come from `pace.algo.loss` applied to log-probs the test
 computes itself with one forward pass over the whole batch.
 """

@@ -123,7 +123,7 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["rollout.max_tokens=256", "rollout.max_model_len=256"], "rollout.max_model_len"),
         (["data.batch_prompts=0"], "data.batch_prompts"),
         (["rollout.top_p=0"], "rollout.top_p"),
-        (["rollout.top_p=0.9"], "training rollouts need top_p = 1"),  # π_θ/μ would be biased (issue #15)
+        (["rollout.top_p=0.9"], "training rollouts need top_p = 1"),  # π_θ/μ would be biased
         (["eval.every=-1"], "eval.every"),
         (["eval.every=5", "eval.benchmarks=[]"], "eval.benchmarks"),
         (["eval.best_within=-1"], "eval.best_within"),
@@ -143,7 +143,7 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["data.max_prompt_tokens=0"], "data.max_prompt_tokens"),
         (["reward.max_failed_in_row=-1"], "reward.max_failed_in_row"),
         (["eval.max_tokens=256"], "eval.max_tokens"),
-        (["algo.clip_ratio_c=1.0"], "algo.clip_ratio_c"),  # the dual clip must be above 1 (issue #18)
+        (["algo.clip_ratio_c=1.0"], "algo.clip_ratio_c"),  # the dual clip must be above 1
         (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c"),
         (["algo.is_correction=tis"], "algo.is_threshold"),
         (["algo.is_correction=trunc"], "algo.is_correction"),
@@ -271,6 +271,21 @@ def test_resume_of_a_checkpoint_saved_before_data_dedup_keeps_every_row(tmp_path
     assert cfg.data.dedup is False
     ckpt = _saved_config(tmp_path / "new", ["+exp=pace_tiny"])  # saved with the key: kept as saved
     assert resume_config(compose_cfg([]), ckpt, [f"resume={ckpt}"]).data.dedup is True
+
+
+def test_resume_may_set_the_device_memory_and_an_old_checkpoint_resumes_without_it(tmp_path: Path) -> None:
+    """The start-up memory refusal names `trainer.device_memory_gib`: a run resumed on other hardware
+    must be able to set it. A checkpoint saved before the key existed resumes with it null (the check
+    sizes the device itself, as before)."""
+    from pace.checkpoint import resume_config
+
+    ckpt = _saved_config(tmp_path, ["+exp=pace_tiny"])
+    old = OmegaConf.load(ckpt / "config.yaml")
+    del old.trainer["device_memory_gib"]
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(old))
+    assert resume_config(compose_cfg([]), ckpt, [f"resume={ckpt}"]).trainer.device_memory_gib is None
+    now = compose_cfg(["trainer.device_memory_gib=60"])
+    assert resume_config(now, ckpt, [f"resume={ckpt}", "trainer.device_memory_gib=60"]).trainer.device_memory_gib == 60
 
 
 def test_resume_finds_the_newest_checkpoint_and_names_a_bad_path(tmp_path: Path) -> None:

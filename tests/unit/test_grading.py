@@ -119,7 +119,7 @@ def test_a_worker_killed_mid_job_from_outside_loses_no_grades(grader: Grader) ->
 
 @pytest.mark.integration
 def test_an_idle_worker_killed_from_outside_is_replaced(grader: Grader) -> None:
-    """Guards against failure 1 of issue #14: a worker that died while idle made the next submit
+    """Guards against a failure seen: a worker that died while idle made the next submit
     crash the watchdog, and every later submit raise 'Grader.submit after close()'."""
     assert grader.grade(["Answer: 1"], ["1"]) == [True]
     before = grader.stats()
@@ -227,7 +227,7 @@ def test_a_worker_that_dies_while_starting_fails_the_grader_naming_the_main_guar
 
 @pytest.mark.integration
 def test_a_script_without_a_main_guard_fails_loudly(tmp_path) -> None:
-    """Failure 2 of issue #14, reproduced: spawned workers re-run the script and cannot start;
+    """A failure seen, reproduced: spawned workers re-run the script and cannot start;
     the 20 answers came back all False with no exception."""
     script = tmp_path / "grade_script.py"
     script.write_text(

@@ -90,7 +90,7 @@ def test_eval_sets_drop_per_benchmark_and_the_table_reports_it(tokenizer, tmp_pa
 @pytest.mark.integration
 @needs_shared(BENCH / "aime_2023.jsonl")
 def test_eval_on_benchmarks_too_long_for_the_tiny_context_fails_in_one_line(tiny_model_path, tmp_path):
-    """Failure 3 of issue #14, reproduced: `eval.py eval=math6` with the tiny model (context 256)
+    """A failure seen, reproduced: `eval.py eval=math6` with the tiny model (context 256)
     ended in vLLM's 'prompt contains at least 257 input tokens' and a page of traceback."""
     cmd = [sys.executable, str(ROOT / "eval.py"), "eval=math6", f"eval.data_dir={BENCH}",
            "logger.progress=false", f"hydra.run.dir={tmp_path}"]

@@ -101,3 +101,19 @@ def test_a_step_estimate_above_the_device_warns_without_stopping(qwen3_30b_a3b, 
     cfg.trainer.device_memory_gib = 80.0
     check_memory(cfg, qwen3_30b_a3b, _accelerator(8), "cuda")
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_step_estimate_that_fails_is_skipped_with_one_warning(qwen3_30b_a3b, monkeypatch, capsys):
+    """The estimate runs on rank 0 alone while the others wait at the next barrier, and only ever
+    warns: any error in it (here the shapes' reader) is one warning line, and the run goes on."""
+    cfg = _cfg(72.0)
+    cfg.model.gradient_checkpointing, cfg.trainer.max_tokens_per_micro_batch = True, 24_576
+
+    def broken(config):
+        raise ValueError("an unexpected layout")
+
+    monkeypatch.setattr(mb.Shapes, "of", staticmethod(broken))
+    check_memory(cfg, qwen3_30b_a3b, _accelerator(8), "cuda")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert warnings == ["warning: the micro-batch memory estimate (pace/algo/memory_budget.py) was skipped: "
+                        "ValueError: an unexpected layout"]

@@ -58,7 +58,7 @@ def test_a_fleet_build_gives_each_engine_its_gpus_and_leaves_none_running_when_o
     monkeypatch.setattr(engine_lib, "_new_llm", build)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    cfg = OmegaConf.create({"engines": 3})
+    cfg = OmegaConf.create({"engines": 3, "server_start_timeout_s": 60.0})
     with pytest.raises(RuntimeError, match="engine 2 failed"):
         engine_lib.build_engines("m", cfg, "bfloat16", 10, "child", None, placement=[[1], [2], [3]])
     assert seen == [(10, "5", False), (11, "6", False), (12, "7", False)]
@@ -77,8 +77,46 @@ def test_only_engines_on_gpus_of_their_own_are_built_at_once(monkeypatch):
 
     threads = []
     monkeypatch.setattr(engine_lib, "_new_llm", lambda *a: threads.append(threading.current_thread().name) or object())
-    cfg = OmegaConf.create({"engines": 2})
+    cfg = OmegaConf.create({"engines": 2, "server_start_timeout_s": 60.0})
     for placement, at_once in ((None, False), ([[0], [0]], False), ([[0], [1]], True)):
         threads.clear()
         assert len(engine_lib.build_engines("m", cfg, "bfloat16", 0, "child", None, placement=placement)) == 2
         assert [t.startswith("pace-engine-build") for t in threads] == [at_once] * 2, placement
+
+
+def test_a_build_that_never_spawns_its_core_fails_by_the_start_deadline(monkeypatch):
+    """A concurrent build that hangs before its EngineCore exists: one line naming the engine and the
+    key, raised by `rollout.server_start_timeout_s`; the engines already built are shut down, the
+    environment is back, and the hung build's thread does not hold up the rest."""
+    import threading
+    import time
+
+    from pace.rollout import engine as engine_lib
+
+    closed, release = [], threading.Event()
+
+    class Engine:
+        def __init__(self, seed):
+            self.seed = seed
+
+        def shutdown(self, timeout=None):
+            closed.append(self.seed)
+
+    def build(model_path, rollout_cfg, dtype, seed, backend):
+        if seed == 11:
+            release.wait(30)  # hangs (until the test lets it go)
+        return Engine(seed)
+
+    monkeypatch.setattr(engine_lib, "_new_llm", build)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    cfg = OmegaConf.create({"engines": 3, "server_start_timeout_s": 0.3})
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^rollout engine 1: no EngineCore process 0.3 s .*\(rollout\.server_start_timeout_s=0\.3\)$"):
+        engine_lib.build_engines("m", cfg, "bfloat16", 10, "child", None, placement=[[1], [2], [3]])
+    assert time.monotonic() - start < 5 and closed == [10]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    release.set()  # the late build's engine is shut down when it comes
+    deadline = time.monotonic() + 5
+    while closed != [10, 11] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed == [10, 11]

@@ -63,7 +63,7 @@ def test_mismatched_lengths_are_refused():
 
 
 def test_a_checkpoint_from_before_the_compact_record_still_loads():
-    """Checkpoints written before issue #17 pickled Trajectory as a dataclass of lists (with `text`)."""
+    """Older checkpoints pickled Trajectory as a dataclass of lists (with `text`)."""
     t = Trajectory.__new__(Trajectory)
     t.__setstate__({"response_ids": [4, 5], "logprobs": [-0.5, -1.5], "versions": [2, 3], "completed_at": 3,
                     "finish_reason": "stop", "text": "ab", "correct": True, "reward": 1.0, "advantage": 0.5,

@@ -11,6 +11,10 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
+RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK",
+             "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
 SHOW = """
 from omegaconf import OmegaConf
 from hydra.core.utils import setup_globals
@@ -26,7 +30,7 @@ for d in (cfg.hydra.run.dir, cfg.hydra.sweep.dir, cfg.hydra.sweep.dir):
 
 
 def _dirs(rank: str | None) -> list[list[str]]:
-    env = {k: v for k, v in os.environ.items() if k != "RANK"} | ({"RANK": rank} if rank else {})
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS} | ({"RANK": rank, "WORLD_SIZE": "2"} if rank else {})
     out = subprocess.run([sys.executable, "-c", SHOW], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [line.split() for line in out.stdout.splitlines()]
@@ -42,3 +46,34 @@ def test_other_ranks_put_hydras_output_in_one_temporary_directory_removed_at_exi
     (run, made), (sweep, _), (again, _) = _dirs("1")
     assert run == sweep == again and made == "True" and "runs/" not in run
     assert Path(run).name.startswith("pace-rank1-") and not Path(run).exists()
+
+
+def _launched(monkeypatch, **env):
+    for name in RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_the_rank_is_read_from_the_variables_accelerate_reads(monkeypatch):
+    """mpirun (Open MPI, MPICH/Intel MPI, MVAPICH) sets no RANK: its own variables name the rank and
+    the world size, in accelerate's order (accelerate/utils/environment.py)."""
+    from pace import rundir
+
+    for rank_var, size_var in (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("PMI_RANK", "PMI_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")):
+        _launched(monkeypatch, **{rank_var: "3", size_var: "4"})
+        assert (rundir.rank(), rundir.world_size()) == (3, 4), rank_var
+        assert rundir.rank0_dir("runs/e/t") != "runs/e/t", rank_var
+    _launched(monkeypatch)
+    assert (rundir.rank(), rundir.world_size()) == (0, 1)
+
+
+def test_a_single_process_with_a_stray_rank_keeps_its_run_directory(monkeypatch):
+    """A RANK left in the environment of a one-process run (no world size above 1) is not a rank ≥ 1:
+    its Hydra output stays in the run directory rather than a temporary one removed at exit."""
+    from pace import rundir
+
+    for env in ({"RANK": "2"}, {"RANK": "2", "WORLD_SIZE": "1"}, {"OMPI_COMM_WORLD_RANK": "1"}):
+        _launched(monkeypatch, **env)
+        assert rundir.rank0_dir("runs/e/t") == "runs/e/t", env

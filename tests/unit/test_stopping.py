@@ -48,23 +48,27 @@ def vllm_stops(params, path: Path, tokenizer) -> set[int]:
     return {p.eos_token_id, *p.stop_token_ids}
 
 
-def config(chat_template: bool):
+def config(chat_template: bool, stop_on_turn_end: bool = True):
     from omegaconf import OmegaConf
 
     from pace.config import Config
 
     cfg = OmegaConf.structured(Config)
-    cfg.data.chat_template = chat_template
+    cfg.data.chat_template, cfg.data.stop_on_turn_end = chat_template, stop_on_turn_end
     return cfg
 
 
 def rollout_params(cfg, tokenizer):
-    """The rollout thread's request parameters (`RolloutWorker.params`), without an engine."""
-    from pace.rollout.generation import GenerationMixin
+    """The rollout thread's request parameters (`RolloutWorker.params`), from a worker built on a
+    stand-in fleet (no engine)."""
+    from types import SimpleNamespace
 
-    worker = GenerationMixin()
-    worker.cfg, worker.tokenizer, worker.tools, worker._sampling = cfg, tokenizer, None, {}
-    return worker._turn_params(cfg.rollout.max_tokens, calls=0)
+    from pace.pool.plugins import PoolPolicy
+    from pace.rollout.worker import RolloutWorker
+
+    fleet = SimpleNamespace(version=0, engines=[object()], device_type="cpu", in_process=False)
+    worker = RolloutWorker(fleet, tokenizer, None, SimpleNamespace(policy=PoolPolicy(8, 8)), None, cfg)
+    return worker.params
 
 
 def test_the_fixture_checkpoints_are_the_real_ones(tmp_path):
@@ -97,6 +101,32 @@ def test_without_the_chat_template_a_base_model_stops_on_its_eos_only(tmp_path):
     tok, cfg = tokenizer_of(path), config(chat_template=False)
     assert vllm_stops(rollout_params(cfg, tok), path, tok) == {ENDOFTEXT}
     assert vllm_stops(sampling_params(cfg, tok, seeded=False), path, tok) == {ENDOFTEXT}
+
+
+def test_stop_on_turn_end_false_keeps_the_checkpoint_eos_only(tmp_path):
+    """`data.stop_on_turn_end: false` (a checkpoint saved before the turn-end stop resumes with it):
+    templated prompts, and the rollout and evaluation stop on the checkpoint's EOS only, as before."""
+    from pace.evaluation import sampling_params
+
+    path = checkpoint("Qwen3-8B-Base", tmp_path)
+    tok, cfg = tokenizer_of(path), config(chat_template=True, stop_on_turn_end=False)
+    assert vllm_stops(rollout_params(cfg, tok), path, tok) == {ENDOFTEXT}
+    assert vllm_stops(sampling_params(cfg, tok, seeded=False), path, tok) == {ENDOFTEXT}
+
+
+def test_a_checkpoint_saved_before_the_turn_end_stop_resumes_without_it(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pace.checkpoint import resume_config
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000004"
+    ckpt.mkdir(parents=True)
+    saved = OmegaConf.to_container(config(chat_template=True))
+    del saved["data"]["stop_on_turn_end"]
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    assert resume_config(config(chat_template=True), ckpt, [f"resume={ckpt}"]).data.stop_on_turn_end is False
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(config(chat_template=True)))  # saved with the key: as saved
+    assert resume_config(config(chat_template=True), ckpt, [f"resume={ckpt}"]).data.stop_on_turn_end is True
 
 
 def test_remote_servers_and_tool_turns_get_the_same_stops(tmp_path):
@@ -137,5 +167,6 @@ def test_a_template_without_a_special_turn_end_is_refused():
     tok = build_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     with pytest.raises(StopTokenError, match=r"data.chat_template: .* ends an assistant turn with '\\n'"):
-        stop_token_ids(tok, chat_template=True)
-    assert stop_token_ids(tok, chat_template=False) == []
+        stop_token_ids(tok, config(chat_template=True).data)
+    assert stop_token_ids(tok, config(chat_template=False).data) == []
+    assert stop_token_ids(tok, config(chat_template=True, stop_on_turn_end=False).data) == []

@@ -1,4 +1,4 @@
-"""The tiny model's SFT traces (pace/tiny.py): worked solutions, direct answers and slips (issue #19)."""
+"""The tiny model's SFT traces (pace/tiny.py): worked solutions, direct answers and slips."""
 from __future__ import annotations
 
 import random
@@ -53,14 +53,14 @@ def test_the_fractions_of_direct_answers_and_slips() -> None:
         return out
 
     assert kinds(TinySpec(error_fraction=0.0)) == {"direct": 0, "slip": 0, "worked": 2000}
-    slips = kinds(TinySpec())  # the default since issue #19: 40% of the traces slip once
+    slips = kinds(TinySpec())  # the default: 40% of the traces slip once
     assert slips["direct"] == 0 and 700 < slips["slip"] < 900  # 0.4 · 2000 = 800 ± 3σ (σ ≈ 22)
     direct = kinds(TinySpec(direct_fraction=0.3, error_fraction=0.0))
     assert direct["slip"] == 0 and 520 < direct["direct"] < 680
 
 
 def test_the_knobs_at_zero_keep_the_earlier_models_keys() -> None:
-    # a knob at 0 is left out of the key, so the models built before issue #19 keep their caches:
+    # a knob at 0 is left out of the key, so the models built before the knob existed keep their caches:
     # the 700-step default of before, and the tool model (conf/model/tiny_tool.yaml)
     assert TinySpec(sft_steps=700, error_fraction=0.0).key() == "c055a169a715"
     assert TinySpec().key() == "c2b4bafd5563"  # 1,500 steps, error_fraction 0.4: the runs in README "Measured"
