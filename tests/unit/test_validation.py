@@ -17,11 +17,12 @@ import torch
 from test_grading import HANG, _test_fn
 from test_reward import ADVERSARIAL
 
+from pace.checkpoint import save_weights
 from pace.evaluation import EvalRun, summarize
 from pace.grading import Grader
 from pace.rollout.worker import Validation
 from pace.tasks.base import Prompt
-from pace.validation import BestCheckpoint, save_weights, val_metrics
+from pace.validation import BestCheckpoint, val_metrics
 
 
 def _validation(version, results, weights=None):
