@@ -24,16 +24,15 @@ from pace import checkpoint as ckpt
 from pace import rundir
 from pace.algo.memory_check import check_memory
 from pace.algo.precision import mixed_precision
-from pace.config import ConfigError, register, validate
+from pace.config import register, validate
 from pace.control import Control
+from pace.errors import ConfigError, DataError, RolloutError
 from pace.memory import release_free_heap, rss_mib
 from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.records import Fate
 from pace.rollout import stopping
-from pace.rollout.errors import RolloutError
 from pace.signals import deafen_children
 from pace.tasks import loading
-from pace.tasks.math import DataError
 
 register()
 rundir.register()  # ${pace.rank0_dir:…} in conf/config.yaml's hydra section
@@ -198,7 +197,7 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
     except RuntimeError as exc:  # a RolloutError too
-        from pace.rollout.errors import EngineFailed
+        from pace.errors import EngineFailed
 
         failed = exc if isinstance(exc, EngineFailed) else exc.__cause__
         if not isinstance(failed, EngineFailed):

@@ -41,7 +41,8 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from pace.config import ConfigError, override_keys, saved_config
+from pace.config import override_keys, saved_config
+from pace.errors import ConfigError
 
 STATE_FILE = "run_state.pkl"
 FORMAT = 1

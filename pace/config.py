@@ -14,16 +14,13 @@ from typing import Any, Dict, Optional
 
 from typing import TYPE_CHECKING
 
+from pace.errors import ConfigError
 from pace.tasks.arithmetic import ArithmeticSpec
 from pace.tasks.tool_arithmetic import ToolArithmeticSpec
 from pace.tiny_spec import TinySpec
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
-
-
-class ConfigError(ValueError):
-    """A config that cannot work. The message names the key(s)."""
 
 
 @dataclass

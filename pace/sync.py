@@ -28,9 +28,9 @@ import socket
 
 import torch
 
+from pace.errors import RolloutError
 from pace.rollout import engine as engine_lib
 from pace.rollout import transfer
-from pace.rollout.errors import RolloutError
 
 
 class WeightSync:
@@ -132,7 +132,7 @@ class WeightSync:
                 if failed is None:
                     raise
                 self.engine.shutdown()  # the group's connections close: the live engines' receive fails, not waits
-                from pace.rollout.errors import EngineFailed
+                from pace.errors import EngineFailed
 
                 raise EngineFailed(f"rollout engine {failed.index} ({failed.url}) failed during the weight broadcast "
                                    f"({type(exc).__name__}): the run stops; resume= goes on with the engines alive") from exc

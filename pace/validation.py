@@ -189,7 +189,7 @@ class BestCheckpoint:
             v = self.best["version"]
             found = next((p for p, hv in held.items() if hv == v), None)
             if found is None:  # resumed from a checkpoint older than the newest
-                from pace.config import ConfigError
+                from pace.errors import ConfigError
 
                 raise ConfigError(f"resume: the checkpoint's best θ_{v} is neither in {self.path} (holds θ_{held.get(self.path)}) "
                                   f"nor in {self.kept.name}/ or {old.name}/: resume from the run's newest checkpoint")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from pace.config import ConfigError
+from pace.errors import ConfigError
 from pace.pool.base import PoolPolicy
 
 REQUIRED = ("admits", "select", "state_dict", "load_state_dict")

@@ -215,7 +215,7 @@ def test_resume_finds_the_checkpoints_best_even_after_a_later_one_replaced_it(tm
     best.saved(60)
     assert not (run / "best.checkpointed").exists()
     # from an older checkpoint than the newest, its best is gone: said in one line, not guessed
-    from pace.config import ConfigError
+    from pace.errors import ConfigError
 
     with pytest.raises(ConfigError, match="resume: the checkpoint's best θ_10 is neither in"):
         BestCheckpoint(run, str(model_dir), within=None).load_state_dict(state)
