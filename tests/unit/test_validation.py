@@ -167,7 +167,7 @@ def test_a_failed_write_is_a_warning_and_the_previous_best_stays(tmp_path, model
     weights too, even when it had been set aside for the checkpoint)."""
     from safetensors.torch import load_file
 
-    from pace import validation
+    from pace.checkpoint import saved_version
 
     run = tmp_path / "run"
     best = BestCheckpoint(run, str(model_dir), within=None)
@@ -185,7 +185,7 @@ def test_a_failed_write_is_a_warning_and_the_previous_best_stays(tmp_path, model
     assert best.offer(_validation(30, {}, _weights(30.0)), 0.7) is False
     assert "validation of θ_30: its weights could not be written" in capsys.readouterr().err
     assert best.best["version"] == 10 and best.summary()["best_missed"] == [20, 30] and best.copies["count"] == 0
-    assert validation.saved_version(run / "best") == 10
+    assert saved_version(run / "best") == 10
     assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
 
 
