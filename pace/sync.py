@@ -29,14 +29,15 @@ import socket
 import torch
 
 from pace.errors import RolloutError
-from pace.rollout import engine as engine_lib
+from pace.net import free_port
+from pace.placement import transfer_backend
 from pace.rollout import transfer
 
 
 class WeightSync:
     def __init__(self, cfg, trainer, rollout, device: str, barrier=lambda: None):
         self.barrier = barrier  # the trainer ranks' wait on rank 0 (pace/control.py): hours, not NCCL's watchdog
-        self.backend = engine_lib.transfer_backend(cfg.rollout, device)
+        self.backend = transfer_backend(cfg.rollout, device)
         self.acc = trainer.acc
         sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/fingerprint.py
         on_sent = None if sent is None else lambda prints: sent.expect(self._sending, prints)
@@ -210,10 +211,4 @@ def transfer_address(rollout_cfg) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((remote[0], 9))  # no packet is sent: the kernel picks the interface toward it
         return s.getsockname()[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
