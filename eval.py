@@ -27,7 +27,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pace import selection
-from pace.config import ConfigError, register, validate
+from pace.config import register, validate
+from pace.errors import ConfigError
 
 register()
 
@@ -38,7 +39,7 @@ GRADE_ANSWERS = 64  # answers per grading job (whole problems; at least one prob
 def main(cfg: DictConfig) -> None:
     from train import UserError, resolve_device, resolve_model
 
-    from pace.tasks.math import DataError
+    from pace.errors import DataError
 
     scored = selected = None
     try:

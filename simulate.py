@@ -18,8 +18,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from pace.config import ConfigError
 from pace.config import register as register_run
+from pace.errors import ConfigError
 from pace.sim.config import register, validate_sim
 
 register_run()

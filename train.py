@@ -21,19 +21,18 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pace import checkpoint as ckpt
-from pace import rundir
+from pace import placement, rundir
 from pace.algo.memory_check import check_memory
 from pace.algo.precision import mixed_precision
-from pace.config import ConfigError, register, validate
+from pace.config import register, validate
 from pace.control import Control
+from pace.errors import ConfigError, DataError, RolloutError
 from pace.memory import release_free_heap, rss_mib
 from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.records import Fate
 from pace.rollout import stopping
-from pace.rollout.errors import RolloutError
 from pace.signals import deafen_children
 from pace.tasks import loading
-from pace.tasks.math import DataError
 
 register()
 rundir.register()  # ${pace.rank0_dir:…} in conf/config.yaml's hydra section
@@ -198,7 +197,7 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
     except RuntimeError as exc:  # a RolloutError too
-        from pace.rollout.errors import EngineFailed
+        from pace.errors import EngineFailed
 
         failed = exc if isinstance(exc, EngineFailed) else exc.__cause__
         if not isinstance(failed, EngineFailed):
@@ -236,7 +235,7 @@ def run(cfg: DictConfig) -> None:
     control = Control(accelerator, cfg.trainer.control_timeout_s)  # waits on rank 0's long work
     world = accelerator.num_processes
     check_shares(cfg, world)
-    if cfg.rollout.deterministic and engine_lib.engine_mode(cfg.rollout, device, world) != "inproc":
+    if cfg.rollout.deterministic and placement.engine_mode(cfg.rollout, device, world) != "inproc":
         raise UserError(f"rollout.deterministic needs the in-process engine, which runs with one trainer process on CPU "
                         f"(here: {world} processes on {device})")
     set_seed(cfg.seed)
@@ -322,7 +321,7 @@ def run(cfg: DictConfig) -> None:
 
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)
-    if checkpoint is not None or engine_lib.engine_mode(cfg.rollout, device, world) == "server":
+    if checkpoint is not None or placement.engine_mode(cfg.rollout, device, world) == "server":
         # the engines start from θ_version (a server may hold an earlier run's weights)
         sync.prepare(trainer.version)
         publish(trainer.version)
@@ -418,7 +417,7 @@ def run(cfg: DictConfig) -> None:
                 logger.log_groups(pool.drain_decided(), step=-1)
             counts = pool.counts()
             summary = {"status": status, "steps": trainer.version, "fates": counts, "rollout": dict(rollout.stats),
-                       "processes": world, "engine_process": engine_lib.engine_mode(cfg.rollout, device, world),
+                       "processes": world, "engine_process": placement.engine_mode(cfg.rollout, device, world),
                        "train/nonfinite_skipped": trainer.nonfinite_skipped,
                        "checkpoint": str(saved or checkpointer.last) if (saved or checkpointer.last) else None,
                        "resumed_from": str(checkpoint) if checkpoint is not None else None}

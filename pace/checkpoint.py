@@ -41,7 +41,8 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from pace.config import ConfigError, override_keys, saved_config
+from pace.config import override_keys, saved_config
+from pace.errors import ConfigError
 
 STATE_FILE = "run_state.pkl"
 FORMAT = 1
@@ -53,6 +54,50 @@ RESUMABLE = (
     "rollout.resume_inflight", "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps", "trainer.sync_fingerprint", "trainer.dist_timeout_s", "trainer.control_timeout_s",
     "trainer.device_memory_gib",
 )
+
+
+# Saved weights as a loadable model directory: a checkpoint's model/, the best validated <run>/best/.
+# Files of a model directory that are not weights are copied next to the saved weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+VERSION_FILE = "version.json"  # in a saved weights directory: the version it holds, written with the weights
+
+
+def save_weights(path: Path, weights: list, model_path: str, version: int | None = None) -> None:
+    """A loadable model directory: ``model_path``'s config and tokenizer files plus ``weights``
+    as one safetensors file, and ``version`` in `version.json`. Written beside ``path`` and
+    renamed, so ``path`` is never half-written and says which weights it holds."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in Path(model_path).iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES and f.name != VERSION_FILE:
+            shutil.copy2(f, tmp / f.name)
+    save_file({name: t.contiguous() for name, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if version is not None:
+        (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
+    install(tmp, path)
+
+
+def install(src: Path, path: Path) -> None:
+    """``src`` becomes ``path``; the directory it replaces waits in `<path>.old` until then (a
+    kill in between leaves it there: `BestCheckpoint.load_state_dict` looks there too)."""
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    src.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def saved_version(path: Path) -> int | None:
+    """The version a weights directory holds (its `version.json`), None if it says none."""
+    try:
+        return int(json.loads((Path(path) / VERSION_FILE).read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def step_dir(run_dir: Path, version: int) -> Path:
@@ -205,8 +250,6 @@ class Checkpointer:
                     **(meta or {})}
             (tmp / "meta.json").write_text(json.dumps(info, indent=1))
             if weights is not None and self.model_path is not None:
-                from pace.validation import save_weights
-
                 save_weights(tmp / "model", weights, self.model_path)
         self.barrier()
         if main:

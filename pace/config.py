@@ -14,16 +14,13 @@ from typing import Any, Dict, Optional
 
 from typing import TYPE_CHECKING
 
+from pace.errors import ConfigError
 from pace.tasks.arithmetic import ArithmeticSpec
 from pace.tasks.tool_arithmetic import ToolArithmeticSpec
 from pace.tiny_spec import TinySpec
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
-
-
-class ConfigError(ValueError):
-    """A config that cannot work. The message names the key(s)."""
 
 
 @dataclass
@@ -523,7 +520,7 @@ def _check_algo(algo) -> None:
 
 
 def _import_path(name: str) -> bool:
-    from pace.pool.plugins import is_import_path
+    from pace.policy_path import is_import_path
 
     return is_import_path(name)
 
@@ -531,9 +528,9 @@ def _import_path(name: str) -> bool:
 def _check_policy(cfg: DictConfig) -> None:
     """A policy given by import path: importable, the protocol's methods, `pool.args` that fit (its
     constructor runs when the run builds the pool, where its errors are one line too)."""
-    from pace.pool import plugins
+    from pace import policy_path
 
-    plugins.check(cfg.pool.name, plugins.args_of(cfg))  # raises PolicyError (a ConfigError) in one line
+    policy_path.check(cfg.pool.name, policy_path.args_of(cfg))  # raises PolicyError (a ConfigError) in one line
 
 
 def _check_schema(cfg: DictConfig) -> None:

@@ -76,8 +76,8 @@ def sets_from_config(cfg, tokenizer) -> tuple[dict[str, list[Prompt]], dict[str,
     `DataError` naming the keys to change."""
     from omegaconf import OmegaConf
 
+    from pace.errors import DataError
     from pace.tasks.base import drop_overlong, prompt_token_limit, with_chat_template
-    from pace.tasks.math import DataError
 
     sets = load_sets(list(cfg.eval.benchmarks), cfg.eval.data_dir, cfg.data.template,
                      OmegaConf.to_object(cfg.data.arithmetic), OmegaConf.to_object(cfg.data.tool_arithmetic))

@@ -51,7 +51,7 @@ def selection(run_dir: Path, cfg: dict) -> dict:
     if where is None or not (Path(where) / "config.json").is_file():
         raise SelectionError(f"{run_dir}: the selected version θ_{best['version']} has no checkpoint ({where} is not a model directory)")
     if best["version"] != 0:
-        from pace.validation import saved_version
+        from pace.checkpoint import saved_version
 
         holds = saved_version(where)  # None: written before best/ named its version
         if holds is not None and holds != best["version"]:  # stopped between the two writes, never resumed

@@ -28,15 +28,16 @@ import socket
 
 import torch
 
-from pace.rollout import engine as engine_lib
+from pace.errors import RolloutError
+from pace.net import free_port
+from pace.placement import transfer_backend
 from pace.rollout import transfer
-from pace.rollout.errors import RolloutError
 
 
 class WeightSync:
     def __init__(self, cfg, trainer, rollout, device: str, barrier=lambda: None):
         self.barrier = barrier  # the trainer ranks' wait on rank 0 (pace/control.py): hours, not NCCL's watchdog
-        self.backend = engine_lib.transfer_backend(cfg.rollout, device)
+        self.backend = transfer_backend(cfg.rollout, device)
         self.acc = trainer.acc
         sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/fingerprint.py
         on_sent = None if sent is None else lambda prints: sent.expect(self._sending, prints)
@@ -132,7 +133,7 @@ class WeightSync:
                 if failed is None:
                     raise
                 self.engine.shutdown()  # the group's connections close: the live engines' receive fails, not waits
-                from pace.rollout.errors import EngineFailed
+                from pace.errors import EngineFailed
 
                 raise EngineFailed(f"rollout engine {failed.index} ({failed.url}) failed during the weight broadcast "
                                    f"({type(exc).__name__}): the run stops; resume= goes on with the engines alive") from exc
@@ -210,10 +211,4 @@ def transfer_address(rollout_cfg) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((remote[0], 9))  # no packet is sent: the kernel picks the interface toward it
         return s.getsockname()[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 

@@ -14,11 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from pace.checkpoint import install, save_weights, saved_version
 from pace.evaluation import summarize
-
-# files of a model directory that are not weights: copied next to the saved weights
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def val_metrics(result, k: int) -> dict[str, float]:
@@ -30,46 +27,6 @@ def val_metrics(result, k: int) -> dict[str, float]:
     metrics["val/response_len"] = result.response_len
     metrics["time/validate"] = result.seconds  # weight updates were held this long
     return metrics
-
-
-VERSION_FILE = "version.json"  # in a saved weights directory: the version it holds, written with the weights
-
-
-def save_weights(path: Path, weights: list, model_path: str, version: int | None = None) -> None:
-    """A loadable model directory: ``model_path``'s config and tokenizer files plus ``weights``
-    as one safetensors file, and ``version`` in `version.json`. Written beside ``path`` and
-    renamed, so ``path`` is never half-written and says which weights it holds."""
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in Path(model_path).iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES and f.name != VERSION_FILE:
-            shutil.copy2(f, tmp / f.name)
-    save_file({name: t.contiguous() for name, t in weights}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if version is not None:
-        (tmp / VERSION_FILE).write_text(json.dumps({"version": version}))
-    install(tmp, path)
-
-
-def install(src: Path, path: Path) -> None:
-    """``src`` becomes ``path``; the directory it replaces waits in `<path>.old` until then (a
-    kill in between leaves it there: `BestCheckpoint.load_state_dict` looks there too)."""
-    old = path.with_name(path.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        path.rename(old)
-    src.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def saved_version(path: Path) -> int | None:
-    """The version a weights directory holds (its `version.json`), None if it says none."""
-    try:
-        return int(json.loads((Path(path) / VERSION_FILE).read_text())["version"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def warn(message: str) -> None:
@@ -232,7 +189,7 @@ class BestCheckpoint:
             v = self.best["version"]
             found = next((p for p, hv in held.items() if hv == v), None)
             if found is None:  # resumed from a checkpoint older than the newest
-                from pace.config import ConfigError
+                from pace.errors import ConfigError
 
                 raise ConfigError(f"resume: the checkpoint's best θ_{v} is neither in {self.path} (holds θ_{held.get(self.path)}) "
                                   f"nor in {self.kept.name}/ or {old.name}/: resume from the run's newest checkpoint")

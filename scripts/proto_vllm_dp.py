@@ -114,7 +114,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from pace.rollout import server
-    from pace.sync import free_port
+    from pace.net import free_port
     from pace.tiny import build_tiny
 
     cfg = _cfg()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 
 from pace.algo import memory_budget as mb
-from pace.config import ConfigError
+from pace.errors import ConfigError
 
 
 def count_params(model_path: str) -> int:

@@ -2,7 +2,7 @@
 scripts/gpu_smoke.py decide it here)."""
 from __future__ import annotations
 
-from pace.config import ConfigError
+from pace.errors import ConfigError
 
 
 def mixed_precision(device: str, model_dtype: str, launcher: str | None) -> str | None:

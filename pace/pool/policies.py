@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pace import policy_path
 from pace.config import target_pool
 from pace.pool import plugins, scoring
 from pace.pool.base import AdmissionView, PoolPolicy, Selection
@@ -190,8 +191,8 @@ def build_policy(cfg) -> PoolPolicy:
 def _build_policy(cfg) -> PoolPolicy:
     common = dict(batch_prompts=cfg.data.batch_prompts, max_inflight_groups=cfg.rollout.max_inflight_groups)
     name = cfg.pool.name
-    if plugins.is_import_path(name):
-        return plugins.build(name, **common, args=plugins.args_of(cfg))
+    if policy_path.is_import_path(name):
+        return plugins.build(name, **common, args=policy_path.args_of(cfg))
     if name == "stale_k":
         return StaleKPolicy(**common, max_lag=cfg.pool.max_lag)
     if name == "gate":

@@ -5,7 +5,8 @@ rollout thread: the CPU default with one trainer process, ~13-24 s faster to sta
 ``child`` (its own process, never inside the trainer's process group: required with more than
 one trainer process, and the GPU default). `rollout.engines` data-parallel engines of
 `rollout.tensor_parallel_size` GPUs each run on GPUs of their own (`rollout.gpus`), the trainer
-on the others. Weights reach them through vLLM's weight-transfer API (pace/rollout/transfer.py).
+on the others (pace/placement.py decides). Weights reach them through vLLM's weight-transfer API
+(pace/rollout/transfer.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import os
 from collections.abc import Iterable
 
 import torch
+
+from pace.placement import _LAUNCHER_ENV, backend_kind, engine_gpus, engine_mode, transfer_backend, visible_devices
 
 
 def configure_environment(rollout_cfg, device: str) -> None:
@@ -39,61 +42,6 @@ def configure_environment(rollout_cfg, device: str) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)
         if rollout_cfg.cpu_threads_bind == "nobind":
             os.environ.setdefault("OMP_NUM_THREADS", str(rollout_cfg.cpu_threads))
-
-
-# torchrun / accelerate variables: an engine process must not see the trainer's world
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION")
-
-
-def engine_mode(rollout_cfg, device: str, world_size: int) -> str:
-    """``inproc``, ``child`` or ``server`` for `rollout.engine_process` (``auto``: in-process only for
-    one trainer process on CPU)."""
-    mode = rollout_cfg.engine_process
-    if mode == "auto":
-        return "inproc" if device == "cpu" and world_size == 1 and rollout_cfg.engines == 1 else "child"
-    return mode
-
-
-def backend_kind(rollout_cfg, device: str) -> str:
-    """shm, gloo, nccl or ipc for `rollout.weight_transfer` on ``device`` (importable before vLLM)."""
-    backend = rollout_cfg.weight_transfer
-    if backend == "auto" and rollout_cfg.engine_process == "server":  # engines on any host: over the network
-        backend = "gloo" if device == "cpu" else "nccl"
-    if backend == "auto":  # NCCL cannot pair two processes on one GPU: a colocated engine uses CUDA IPC
-        backend = "shm" if device == "cpu" else "ipc" if rollout_cfg.placement == "colocate" else "nccl"
-    return backend
-
-
-def transfer_backend(rollout_cfg, device: str) -> str:
-    from pace.rollout import transfer
-
-    backend = backend_kind(rollout_cfg, device)
-    return transfer.BACKEND if backend == "shm" else backend
-
-
-def engine_gpus(rollout_cfg, trainer_gpus: int) -> list[list[int]]:
-    """The GPU ids of each engine: `rollout.gpus` if given, else the GPUs after the trainer's
-    (engine e on trainer_gpus + e·TP … + TP − 1)."""
-    tp, n = rollout_cfg.tensor_parallel_size, rollout_cfg.engines
-    ids = list(rollout_cfg.gpus) if rollout_cfg.gpus else list(range(trainer_gpus, trainer_gpus + n * tp))
-    if len(ids) != n * tp:
-        raise ValueError(f"rollout.gpus: {n} engines × tensor_parallel_size {tp} need {n * tp} GPU ids, got {ids}")
-    return [ids[e * tp : (e + 1) * tp] for e in range(n)]
-
-
-def visible_devices(gpus: list[int], parent: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for an engine on ``gpus``, indices as this process sees its GPUs: under
-    a scheduler's own list (``parent``, e.g. "4,5,6,7" or UUIDs) index i is its i-th entry, so the
-    engine gets the GPU the trainer means by i, not physical GPU i."""
-    if not parent or not parent.strip():
-        return ",".join(map(str, gpus))
-    ids = [d.strip() for d in parent.split(",") if d.strip()]
-    bad = [g for g in gpus if not 0 <= g < len(ids)]
-    if bad:
-        raise ValueError(f"rollout.gpus: GPU index {bad[0]} is not among the {len(ids)} visible ones "
-                         f"(CUDA_VISIBLE_DEVICES={parent})")
-    return ",".join(ids[g] for g in gpus)
 
 
 @contextlib.contextmanager

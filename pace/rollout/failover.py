@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from pace.rollout.errors import EngineFailed
+from pace.errors import EngineFailed
 
 
 class FailoverMixin:

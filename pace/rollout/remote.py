@@ -32,8 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pace.config import ConfigError
-from pace.rollout.errors import EngineFailed
+from pace.errors import ConfigError, EngineFailed
 from pace.rollout.remote_weights import RemoteWeightsMixin
 from pace.rollout.protocol import GENERATE, Output, completion_from, params_json, prompt_logprobs_from
 

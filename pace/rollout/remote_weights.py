@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pace.rollout.errors import EngineFailed
+from pace.errors import EngineFailed
 from pace.rollout.fleet import EngineFleet
 
 WEIGHT_CALL_TIMEOUT_S = 1800.0  # the transfer calls wait for the broadcast (gloo's own timeout is 30 min)

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from pace.sync import free_port
+from pace.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the servers import pace from it
 
@@ -61,7 +61,7 @@ def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, h
 def serve_env(rollout_cfg, device: str, gpus: list[int] | None = None) -> dict[str, str]:
     """The server's environment: this one, with the RL routes on, pace importable, the CPU
     engine's threads and KV cache as `configure_environment` sets them, and no launcher variables."""
-    from pace.rollout.engine import _LAUNCHER_ENV, visible_devices
+    from pace.placement import _LAUNCHER_ENV, visible_devices
 
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -145,7 +145,7 @@ def launch_local(model_path: str, cfg, device: str, log_dir: Path, backend: str 
                  timeout_s: float | None = None) -> list[LocalServer]:
     """`rollout.engines` servers on 127.0.0.1, started at once; returns when all are ready (or
     raises, stopping them, naming the one that failed and its log)."""
-    from pace.rollout.engine import engine_gpus
+    from pace.placement import engine_gpus
 
     r = cfg.rollout
     placement = engine_gpus(r, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if device == "cuda" else None
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_dir
 
     from pace.config import register
-    from pace.rollout.engine import backend_kind
+    from pace.placement import backend_kind
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--host", default="0.0.0.0")

@@ -21,7 +21,7 @@ resumes with it false: `KEYS_ADDED` in pace/config.py).
 """
 from __future__ import annotations
 
-from pace.config import ConfigError
+from pace.errors import ConfigError
 
 _PROBE = "PACE-TURN-END-PROBE"
 

@@ -24,11 +24,11 @@ import time
 import traceback
 from collections import deque
 
+from pace.errors import RolloutError
 from pace.fingerprint import SentWeights, StaleEngine
 from pace.pool import Pool
 from pace.pool.plugins import reads_pfs
 from pace.rollout import transfer
-from pace.rollout.errors import RolloutError
 from pace.rollout.failover import FailoverMixin
 from pace.rollout.fleet import EngineFleet
 from pace.rollout.generation import GenerationMixin

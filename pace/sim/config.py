@@ -14,7 +14,8 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from pace.config import Config, ConfigError, validate
+from pace.config import Config, validate
+from pace.errors import ConfigError
 
 
 @dataclass

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pace.errors import DataError
 from pace.tasks.base import Prompt
-from pace.tasks.math import TEMPLATES, DataError, read_rows
+from pace.tasks.math import TEMPLATES, read_rows
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ import sys
 
 from omegaconf import OmegaConf
 
+from pace.errors import DataError
 from pace.tasks.base import Prompt, drop_overlong, prompt_token_limit, with_chat_template
-from pace.tasks.math import DataError, load_math_prompts
+from pace.tasks.math import load_math_prompts
 
 
 def train_prompts(cfg, tokenizer) -> list[Prompt]:

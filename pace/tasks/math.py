@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from pace.errors import DataError
 from pace.tasks.base import Prompt
 
 DAPO_PREFIX = (
@@ -37,10 +38,6 @@ TEMPLATES = {
     "retool": lambda problem: RETOOL_PREFIX + problem + DAPO_SUFFIX,
     "plain": lambda problem: problem,
 }
-
-
-class DataError(ValueError):
-    """Unreadable data: the message names the file or dataset."""
 
 
 def strip_dapo_template(text: str) -> str:

@@ -9,9 +9,10 @@ import json
 
 import pytest
 
+from pace.errors import DataError
 from pace.reward import is_correct
 from pace.tasks.benchmarks import BENCHMARKS, SETS, expand, load_benchmark
-from pace.tasks.math import DAPO_PREFIX, DataError
+from pace.tasks.math import DAPO_PREFIX
 from tests.conftest import BENCH, needs_shared
 
 pytestmark = pytest.mark.unit

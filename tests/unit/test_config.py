@@ -16,7 +16,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from pace.config import ConfigError, register, validate
+from pace.config import register, validate
+from pace.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 

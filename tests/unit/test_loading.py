@@ -11,10 +11,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from pace.config import Config
+from pace.errors import DataError
 from pace.evaluation import markdown_table, sets_from_config
 from pace.tasks.base import Prompt, drop_overlong, prompt_token_limit
 from pace.tasks.loading import train_prompts
-from pace.tasks.math import DataError
 from pace.tiny import build_tokenizer
 from tests.conftest import BENCH, ROOT, needs_shared
 

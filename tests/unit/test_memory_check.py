@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from pace.algo import memory_budget as mb
 from pace.algo.memory_check import check_memory, count_params
-from pace.config import Config, ConfigError
+from pace.config import Config
+from pace.errors import ConfigError
 
 H100_GIB, H200_GIB = 79.2, 139.8  # torch.cuda.mem_get_info()[1] of an 80 GB H100 and a 141 GB H200, about
 

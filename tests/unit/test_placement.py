@@ -1,4 +1,5 @@
-"""Engine placement (pace/rollout/engine.py): which GPUs an engine process sees."""
+"""Engine placement (pace/placement.py; the child process's environment: pace/rollout/engine.py): which
+GPUs an engine process sees."""
 from __future__ import annotations
 
 import os
@@ -6,7 +7,8 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from pace.rollout.engine import _engine_process_env, engine_gpus, visible_devices
+from pace.placement import engine_gpus, visible_devices
+from pace.rollout.engine import _engine_process_env
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pace import staleness
-from pace.config import ConfigError
+from pace.errors import ConfigError
 from pace.logger import group_schema
 from pace.pool.policies import POLICIES
 from pace.sim.config import SimRunConfig, validate_sim

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from pace.rollout.errors import RolloutError
+from pace.errors import RolloutError
 from pace.sync import BlockingClient
 
 pytestmark = pytest.mark.unit

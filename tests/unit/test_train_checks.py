@@ -43,7 +43,7 @@ def test_a_bf16_model_on_a_gpu_always_trains_with_fp32_master_weights(device, dt
 
 def test_an_fp16_model_on_a_gpu_is_refused_in_one_line():
     from pace.algo.precision import mixed_precision
-    from pace.config import ConfigError
+    from pace.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.dtype=float16 on a GPU: use bfloat16"):
         mixed_precision("cuda", "float16", None)

@@ -17,11 +17,12 @@ import torch
 from test_grading import HANG, _test_fn
 from test_reward import ADVERSARIAL
 
+from pace.checkpoint import save_weights
 from pace.evaluation import EvalRun, summarize
 from pace.grading import Grader
 from pace.rollout.worker import Validation
 from pace.tasks.base import Prompt
-from pace.validation import BestCheckpoint, save_weights, val_metrics
+from pace.validation import BestCheckpoint, val_metrics
 
 
 def _validation(version, results, weights=None):
@@ -166,7 +167,7 @@ def test_a_failed_write_is_a_warning_and_the_previous_best_stays(tmp_path, model
     weights too, even when it had been set aside for the checkpoint)."""
     from safetensors.torch import load_file
 
-    from pace import validation
+    from pace.checkpoint import saved_version
 
     run = tmp_path / "run"
     best = BestCheckpoint(run, str(model_dir), within=None)
@@ -184,7 +185,7 @@ def test_a_failed_write_is_a_warning_and_the_previous_best_stays(tmp_path, model
     assert best.offer(_validation(30, {}, _weights(30.0)), 0.7) is False
     assert "validation of θ_30: its weights could not be written" in capsys.readouterr().err
     assert best.best["version"] == 10 and best.summary()["best_missed"] == [20, 30] and best.copies["count"] == 0
-    assert validation.saved_version(run / "best") == 10
+    assert saved_version(run / "best") == 10
     assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
 
 
@@ -214,7 +215,7 @@ def test_resume_finds_the_checkpoints_best_even_after_a_later_one_replaced_it(tm
     best.saved(60)
     assert not (run / "best.checkpointed").exists()
     # from an older checkpoint than the newest, its best is gone: said in one line, not guessed
-    from pace.config import ConfigError
+    from pace.errors import ConfigError
 
     with pytest.raises(ConfigError, match="resume: the checkpoint's best θ_10 is neither in"):
         BestCheckpoint(run, str(model_dir), within=None).load_state_dict(state)

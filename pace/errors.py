@@ -1,0 +1,20 @@
+"""The run's exceptions that cross modules: bad input (one line naming the key or the file) and
+run failures. Imports nothing, so any module may raise them and the entry points (train.py,
+eval.py, simulate.py) catch them before vLLM or torch.distributed are loaded.
+"""
+
+
+class ConfigError(ValueError):
+    """A config that cannot work. The message names the key(s)."""
+
+
+class DataError(ValueError):
+    """Unreadable data: the message names the file or dataset."""
+
+
+class RolloutError(RuntimeError):
+    """The rollout thread died; the message carries its traceback."""
+
+
+class EngineFailed(RuntimeError):
+    """A rollout engine failed and the run does not go on without it (`rollout.on_engine_failure`)."""

@@ -1,0 +1,62 @@
+"""Where the rollout engines run and how weights reach them, as `rollout` says: the engine process
+(`engine_mode`), the weight-transfer backend (`backend_kind`, `transfer_backend`), each engine's
+GPUs (`engine_gpus`, `visible_devices`), the launcher variables an engine process must not see.
+Functions of the config alone, importable without vLLM: the engines (pace/rollout/engine.py), their
+servers (pace/rollout/server.py) and the weight sync (pace/sync.py) read them.
+"""
+from __future__ import annotations
+
+
+# torchrun / accelerate variables: an engine process must not see the trainer's world
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION")
+
+
+def engine_mode(rollout_cfg, device: str, world_size: int) -> str:
+    """``inproc``, ``child`` or ``server`` for `rollout.engine_process` (``auto``: in-process only for
+    one trainer process on CPU)."""
+    mode = rollout_cfg.engine_process
+    if mode == "auto":
+        return "inproc" if device == "cpu" and world_size == 1 and rollout_cfg.engines == 1 else "child"
+    return mode
+
+
+def backend_kind(rollout_cfg, device: str) -> str:
+    """shm, gloo, nccl or ipc for `rollout.weight_transfer` on ``device`` (importable before vLLM)."""
+    backend = rollout_cfg.weight_transfer
+    if backend == "auto" and rollout_cfg.engine_process == "server":  # engines on any host: over the network
+        backend = "gloo" if device == "cpu" else "nccl"
+    if backend == "auto":  # NCCL cannot pair two processes on one GPU: a colocated engine uses CUDA IPC
+        backend = "shm" if device == "cpu" else "ipc" if rollout_cfg.placement == "colocate" else "nccl"
+    return backend
+
+
+def transfer_backend(rollout_cfg, device: str) -> str:
+    from pace.rollout import transfer
+
+    backend = backend_kind(rollout_cfg, device)
+    return transfer.BACKEND if backend == "shm" else backend
+
+
+def engine_gpus(rollout_cfg, trainer_gpus: int) -> list[list[int]]:
+    """The GPU ids of each engine: `rollout.gpus` if given, else the GPUs after the trainer's
+    (engine e on trainer_gpus + e·TP … + TP − 1)."""
+    tp, n = rollout_cfg.tensor_parallel_size, rollout_cfg.engines
+    ids = list(rollout_cfg.gpus) if rollout_cfg.gpus else list(range(trainer_gpus, trainer_gpus + n * tp))
+    if len(ids) != n * tp:
+        raise ValueError(f"rollout.gpus: {n} engines × tensor_parallel_size {tp} need {n * tp} GPU ids, got {ids}")
+    return [ids[e * tp : (e + 1) * tp] for e in range(n)]
+
+
+def visible_devices(gpus: list[int], parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine on ``gpus``, indices as this process sees its GPUs: under
+    a scheduler's own list (``parent``, e.g. "4,5,6,7" or UUIDs) index i is its i-th entry, so the
+    engine gets the GPU the trainer means by i, not physical GPU i."""
+    if not parent or not parent.strip():
+        return ",".join(map(str, gpus))
+    ids = [d.strip() for d in parent.split(",") if d.strip()]
+    bad = [g for g in gpus if not 0 <= g < len(ids)]
+    if bad:
+        raise ValueError(f"rollout.gpus: GPU index {bad[0]} is not among the {len(ids)} visible ones "
+                         f"(CUDA_VISIBLE_DEVICES={parent})")
+    return ",".join(ids[g] for g in gpus)
