@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tests.unit.test_config import PAPER_PRESETS, compose_cfg
 
 pytestmark = pytest.mark.integration

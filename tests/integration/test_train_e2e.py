@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.conftest import ROOT, check_staleness, run_train, wait_for_rows
+from tests.helpers import ROOT, check_staleness, run_train, wait_for_rows
 
 pytestmark = pytest.mark.integration
 
