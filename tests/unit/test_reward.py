@@ -1,5 +1,5 @@
 """Tests for pace.reward: extraction, correctness, adversarial inputs (pure; the process pool
-that runs them is tested in test_grading.py)."""
+that runs them is tested in tests/integration/test_grader_processes.py)."""
 from __future__ import annotations
 
 import threading
