@@ -102,28 +102,6 @@ def check_continued(state: dict, groups, version: int, later: dict | None = None
     return compared, checked
 
 
-# ---------------------------------------------------------------- the grader's test hook
-
-# ``_test_fn`` is the hook passed as ``Grader(fn=...)``: it hangs, crashes, raises or sleeps on a
-# sentinel response, so production code carries no test-only sentinels.
-HANG, CRASH, RAISE, SLOW = "__test_hang__", "__test_crash__", "__test_raise__", "__test_slow__"
-
-
-def _test_fn(responses: list[str], golds: list[str]) -> list[bool]:
-    """Worker-side test hook: must be a top-level function so spawn can pickle it by name."""
-    from pace.reward import grade_batch
-
-    if HANG in responses:
-        time.sleep(3600)
-    if CRASH in responses:
-        os._exit(1)
-    if RAISE in responses:
-        raise RuntimeError("grading bug")
-    if SLOW in responses:
-        time.sleep(1.5)
-    return grade_batch(responses, golds)
-
-
 # ---------------------------------------------------------------- adversarial model outputs
 
 ADVERSARIAL = {

@@ -15,7 +15,8 @@ import pytest
 from pace.evaluation import EvalRun, summarize
 from pace.grading import Grader
 from pace.tasks.base import Prompt
-from tests.helpers import ADVERSARIAL, HANG, _test_fn
+from tests.grader_hook import HANG, _test_fn
+from tests.helpers import ADVERSARIAL
 
 pytestmark = pytest.mark.integration
 

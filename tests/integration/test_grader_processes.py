@@ -1,6 +1,6 @@
 """Tests for pace.grading: the process-pool Grader, its deadlines, and failures that reach the caller.
 
-They spawn real worker processes. ``_test_fn`` (tests/helpers.py) is the test hook passed as
+They spawn real worker processes. ``_test_fn`` (tests/grader_hook.py) is the test hook passed as
 ``Grader(fn=...)``: it hangs, crashes, raises or sleeps on a sentinel response, so production code
 carries no test-only sentinels. Start failures are injected where they happen:
 in the parent (``_new_executor`` raising, as fork does under memory pressure) or in the worker (a
@@ -19,7 +19,7 @@ import pytest
 
 import pace.grading as grading
 from pace.grading import Grader, GraderError
-from tests.helpers import CRASH, HANG, RAISE, SLOW, _test_fn
+from tests.grader_hook import CRASH, HANG, RAISE, SLOW, _test_fn
 
 pytestmark = pytest.mark.integration
 
