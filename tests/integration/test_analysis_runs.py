@@ -11,7 +11,7 @@ import pytest
 
 from analysis.build import FIGURES, build
 from analysis.runs import load
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
 

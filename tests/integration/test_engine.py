@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import _hf_logprobs, _prompt
+
 pytestmark = pytest.mark.integration
 
 
@@ -39,10 +41,6 @@ def _generate(llm, prompt_ids, n=4, max_tokens=24):
                 c = o.outputs[0]
                 out[o.request_id] = (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
     return [out[f"gen-{i}"] for i in range(n)]
-
-
-def _prompt(llm, text="12+34+5=?\n"):
-    return llm.get_tokenizer()(text, add_special_tokens=False).input_ids
 
 
 def test_rescoring_matches_generation_logprobs(llm):
@@ -189,16 +187,6 @@ def _moved(tiny_model_path, seed: int, scale: float = 0.05):
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen))
     return model, [(n, t.detach().clone()) for n, t in model.state_dict().items()]
-
-
-def _hf_logprobs(model, ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
-    """The trainer's log π of ``ids[start:]`` (`token_logprobs` at ``temperature``)."""
-    from pace.algo.logprobs import full_logprobs as token_logprobs
-
-    full = torch.tensor([ids])
-    with torch.no_grad():
-        lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], temperature)
-    return lp[0, start - 1:].tolist()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT, make_run
 
 pytestmark = pytest.mark.integration
 
@@ -41,8 +41,6 @@ def test_eval_fails_in_one_line_on_an_unknown_benchmark(tmp_path):
 
 
 def test_eval_of_a_run_whose_selected_version_has_no_weights_fails_in_one_line(tmp_path):
-    from tests.unit.test_table1 import make_run
-
     run = make_run(tmp_path, "pace0", "pace", 0, 30, None, checkpoint=False)
     cmd = [sys.executable, str(ROOT / "eval.py"), f"model.path={run}", f"hydra.run.dir={tmp_path / 'eval'}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -9,8 +9,7 @@ from dataclasses import asdict
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.unit.test_config import PAPER_PRESETS, compose_cfg
+from tests.helpers import PAPER_PRESETS, ROOT, compose_cfg
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from transformers import AutoTokenizer
     from pace.algo.trainer import DAPOTrainer
     from pace.config import Config
-    from tests.integration.test_trainer import _batch
+    from tests.helpers import _batch
 
     path, mixed = sys.argv[1], sys.argv[2]
     cfg = OmegaConf.structured(Config)

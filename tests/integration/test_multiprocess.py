@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, check_staleness
+from tests.helpers import ROOT, check_staleness
 
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess]
 
@@ -258,7 +258,7 @@ def test_a_sigterm_to_a_two_process_run_always_checkpoints_and_resumes(tiny_mode
     import signal
     import time
 
-    from tests.conftest import wait_for_rows
+    from tests.helpers import wait_for_rows
 
     run = tmp_path / "run"
     cmd = [*torchrun(2), str(ROOT / "train.py"), "+exp=async_tiny", "trainer.steps=40", "data.batch_prompts=8",
@@ -297,7 +297,7 @@ def test_a_sigterm_to_a_two_process_run_always_checkpoints_and_resumes(tiny_mode
     # (out of process: none of their tokens was cut for want of one), and continued
     import pandas as pd
 
-    from tests.conftest import check_continued
+    from tests.helpers import check_continued
 
     state = pickle.loads((ckpt / "run_state.pkl").read_bytes())
     assert summary["fates"]["dropped_shutdown"] == 0 and summary["rollout"]["resume_unlabelled_tokens"] == 0

@@ -19,7 +19,7 @@ import time
 import pytest
 import requests
 
-from tests.conftest import ROOT, check_staleness, run_train, wait_for_rows
+from tests.helpers import ROOT, check_staleness, run_train, wait_for_rows
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import time
 import pandas as pd
 import pytest
 
-from tests.conftest import ROOT, check_continued, check_staleness, run_train, wait_for_rows
+from tests.helpers import ROOT, check_continued, check_staleness, run_train, wait_for_rows
 
 pytestmark = pytest.mark.integration
 

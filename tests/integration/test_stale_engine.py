@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, run_train
+from tests.helpers import ROOT, run_train
 
 pytestmark = pytest.mark.integration
 

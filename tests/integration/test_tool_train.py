@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from analysis.runs import recomputed_staleness
-from tests.conftest import check_staleness, run_train
-from tests.integration.test_train_e2e import _check_accounting, _read, check_pace_decisions
+from tests.helpers import _check_accounting, _read, check_pace_decisions, check_staleness, run_train
 
 pytestmark = pytest.mark.integration
 

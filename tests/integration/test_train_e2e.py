@@ -8,11 +8,11 @@ import sys
 import time
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
-from tests.conftest import ROOT, check_staleness, run_train, wait_for_rows
+from tests.helpers import (ROOT, _check_accounting, _read, check_pace_decisions, check_staleness, run_train,
+                           wait_for_rows)
 
 pytestmark = pytest.mark.integration
 
@@ -23,23 +23,6 @@ STEP_KEYS = [
     "pool/occupancy", "pool/rejected", "staleness/k_mean", "staleness/k_gen_mean", "staleness/k_wait_mean",
     "version", "time/step", "time/wait_data", "time/train", "time/sync", "rollout/tokens_per_s", "rollout/inflight",
 ]
-
-
-def _read(run_dir):
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    groups = pd.read_parquet(run_dir / "groups")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return metrics, groups, summary
-
-
-def _check_accounting(groups, summary):
-    fates = summary["fates"]
-    assert fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted")
-    assert len(groups) == fates["submitted"]  # one row per group, whatever its fate
-    assert groups["id"].is_unique
-    for fate, n in fates.items():
-        if fate != "submitted":
-            assert (groups["fate"] == fate).sum() == n, fate
 
 
 def test_async_run_logs_everything(tiny_model_path, tmp_path):
@@ -235,18 +218,3 @@ def test_a_pool_policy_given_by_import_path_trains_end_to_end(tiny_model_path, t
         assert len(consumed) == 4 and (not len(dropped) or consumed.k.max() <= dropped.k.min() + 1e-12), step
 
 
-def check_pace_decisions(groups, gamma: float) -> None:
-    """PACE's logged decisions (effective score): at every step the rejected groups are the highest
-    scoring (no consumed group scores above a rejected one), each score is K_wait + u^γ K_gen of
-    the group's own logged values, u = 1 exactly where no PFS was computed, and some groups were
-    really rescored (a PFS from a known engine version)."""
-    decided = groups[groups.fate.isin(["rejected", "consumed"])]
-    assert (decided.score - (decided.k_wait + decided.u ** gamma * decided.k_gen)).abs().max() < 1e-9
-    assert (decided[decided.pfs.isna()].u == 1).all()
-    assert (decided.u.between(0, 1)).all()
-    rescored = decided[decided.pfs.notna()]
-    assert len(rescored) > 0 and rescored.pfs_version.notna().all() and (rescored.pfs >= 0).all()
-    for step, at in decided.groupby("step"):
-        rejected, consumed = at[at.fate == "rejected"], at[at.fate == "consumed"]
-        if len(rejected) and len(consumed):
-            assert consumed.score.max() <= rejected.score.min() + 1e-12, step

@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import _batch
+
 pytestmark = pytest.mark.integration
 
 
@@ -18,25 +20,6 @@ def setup(tiny_model_path):
     cfg.trainer.lr, cfg.trainer.micro_batch_size = 1e-5, 3  # micro-batching exercised: 4 trajectories
     cfg.trainer.warmup_steps = 0
     return tiny_model_path, cfg, Accelerator(cpu=True)
-
-
-def _batch(tokenizer, model, advantage: float, prompt_text="12+34=?\n"):
-    """One group: the worked answer twice, both with the given advantage, behaviour = current policy.
-
-    The advantage has one sign in the batch on purpose: with opposite signs on shared tokens the
-    gradients cancel to rounding noise, which Adam's first (sign-like) step turns into a random move.
-    """
-    from pace.algo.logprobs import full_logprobs as token_logprobs
-    from pace.records import Batch, Group, Trajectory
-
-    prompt = tokenizer(prompt_text, add_special_tokens=False).input_ids
-    resp = tokenizer("12+34=46\nAnswer: 46", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    full = torch.tensor([prompt + resp])
-    with torch.no_grad():
-        lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], 1.0)
-    logprobs = lp[0, len(prompt) - 1 :].tolist()
-    trajs = [Trajectory(list(resp), list(logprobs), [0] * len(resp), 0, "stop", advantage=advantage) for _ in range(2)]
-    return Batch(step=0, groups=[Group(0, "p0", prompt, "46", 0, trajs)])
 
 
 def _seq_logprob(model, prompt, traj):

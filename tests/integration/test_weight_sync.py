@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.integration.test_engine import _hf_logprobs, _prompt
+
+from tests.helpers import _hf_logprobs, _prompt
 
 pytestmark = pytest.mark.integration
 

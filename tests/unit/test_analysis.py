@@ -10,6 +10,7 @@ import pytest
 from analysis import claims
 from analysis.runs import Run, from_records, method_label
 from analysis.wandb_log import BLOCK, HEADER, WandbLogError, read_run, records
+from tests.helpers import compose_cfg
 
 
 def _chunks(payload: bytes, pos: int) -> tuple[bytes, int]:
@@ -257,7 +258,6 @@ def test_every_setting_the_report_names_composes():
     import re
 
     from analysis.report import CAPTIONS
-    from tests.unit.test_config import compose_cfg
 
     settings = {m for _, caption in CAPTIONS.values() for m in re.findall(r"`([a-z_]+\.[a-z_.]+=[^`\s]+)`", caption)}
     assert settings  # the captions do name some

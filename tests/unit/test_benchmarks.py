@@ -13,7 +13,7 @@ from pace.errors import DataError
 from pace.reward import is_correct
 from pace.tasks.benchmarks import BENCHMARKS, SETS, expand, load_benchmark
 from pace.tasks.math import DAPO_PREFIX
-from tests.conftest import BENCH, needs_shared
+from tests.helpers import BENCH, needs_shared
 
 pytestmark = pytest.mark.unit
 

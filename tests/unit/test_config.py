@@ -12,24 +12,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from pace.config import register, validate
 from pace.errors import ConfigError
+from tests.helpers import CONF, PAPER_PRESETS, PRESETS, compose_cfg
 
 pytestmark = pytest.mark.unit
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
-PRESETS = sorted(p.stem for p in (CONF / "exp").glob("*.yaml") if not p.stem.startswith("_"))
 
 register()
-
-
-def compose_cfg(overrides: list[str] = (), config_dir: Path = CONF):
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 def test_presets_were_found() -> None:
@@ -179,9 +172,6 @@ def test_the_corrections_and_m2po_variants_validate() -> None:
 
 def test_config_error_is_a_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
-
-
-PAPER_PRESETS = [p for p in PRESETS if "qwen3" in p]
 
 
 def test_paper_presets_were_found() -> None:

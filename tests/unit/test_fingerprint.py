@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pace import fingerprint as fp
+from tests.helpers import FULL, _Engine, _Toy, _update
 
 pytestmark = pytest.mark.unit
 
@@ -150,8 +151,6 @@ def test_the_trainer_side_fingerprints_what_it_yields_before_the_last_tensor_lea
 
 
 def test_the_checked_engine_fingerprints_what_its_loader_received_once_asked():
-    from tests.unit.test_reload_checks import FULL, _Engine, _Toy, _update
-
     from pace.rollout import reload
 
     engine = reload.checked(_Engine)(_Toy())
@@ -174,8 +173,6 @@ class _Listed(dict):
 
 def test_a_worker_reports_its_fingerprints_only_when_asked_and_only_for_the_model_it_serves():
     from types import SimpleNamespace
-
-    from tests.unit.test_reload_checks import FULL, _Engine, _Toy, _update
 
     from pace.rollout import reload
     from pace.rollout.transfer import WorkerExtension

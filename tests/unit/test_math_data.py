@@ -24,7 +24,7 @@ from pace.tasks.math import (
     strip_dapo_template,
 )
 from pace.tiny import build_tokenizer
-from tests.conftest import BENCH, needs_shared
+from tests.helpers import BENCH, needs_shared
 
 pytestmark = pytest.mark.unit
 

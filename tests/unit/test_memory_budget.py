@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 from pace.algo import memory_budget as mb
 from pace.algo.logprobs import response_logprobs
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_hidden_layers=2, tie_word_embeddings=False)

@@ -33,7 +33,7 @@ def qwen3_30b_a3b(tmp_path_factory) -> str:
     """Qwen3-30B-A3B-Base's config.json (its shapes as scripts/gpu_smoke.py has them); no weights."""
     import sys
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_smoke

@@ -5,76 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers import FULL, _Engine, _Toy, _update
 
 pytestmark = pytest.mark.unit
-
-
-class _Cache(torch.nn.Module):  # as RotaryEmbedding: a buffer computed from the config, no parameter
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("cos_sin_cache", torch.arange(4.0), persistent=False)
-
-
-def _embedding_method():
-    """vLLM's UnquantizedEmbeddingMethod whose post-load processing packs `weight` into a kernel of
-    the layer's own, as vLLM-CPU's `cpu_linear` does, which only re-processing refreshes."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    class Packing(UnquantizedEmbeddingMethod):
-        def process_weights_after_loading(self, layer):
-            layer.packed = layer.weight.detach().clone()
-
-    return Packing()
-
-
-class _Toy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(6, 4)
-        self.mid = torch.nn.Linear(4, 4)
-        self.rope = _Cache()
-        self.head = torch.nn.Linear(4, 6, bias=False)
-        self.head.weight = self.embed.weight  # tied: one Parameter, two layers
-        self.head.quant_method = _embedding_method()
-        self.head.quant_method.process_weights_after_loading(self.head)
-
-    def load_weights(self, weights) -> set[str]:
-        """As a vLLM model's: each tensor through its parameter's (wrapped) loader; names loaded."""
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-        names = set()
-        for name, w in weights:
-            p = self.get_parameter(name)
-            getattr(p, "weight_loader", default_weight_loader)(p, w)
-            names.add(name)
-        return names
-
-
-def _update(model, weights: dict, engine=None):
-    """One update as a weight-transfer engine runs it: start, each tensor through its (wrapped)
-    weight loader, finish; with ``engine`` (an ExactReload) its own start/finish."""
-    from vllm.model_executor.model_loader.reload.layerwise import (
-        finalize_layerwise_reload,
-        initialize_layerwise_reload,
-        record_metadata_for_reloading,
-    )
-    from pace.rollout import reload
-
-    record_metadata_for_reloading(model)
-    shared = reload.shared_parameters(model)
-    if engine is not None:
-        engine.start_weight_update()
-    else:
-        initialize_layerwise_reload(model)
-    model.load_weights(weights.items())
-    if engine is not None:
-        return engine.finish_weight_update()
-    found = reload.audit(model, shared)
-    finalize_layerwise_reload(model, type("ModelConfig", (), {"dtype": torch.float32})())
-    return found
-
-
-FULL = {"embed.weight": torch.ones(6, 4), "mid.weight": torch.full((4, 4), 2.0), "mid.bias": torch.full((4,), 3.0)}
 
 
 def test_a_complete_update_names_the_tied_head_and_the_buffer_only_layer():
@@ -92,27 +25,6 @@ def test_a_missing_or_partial_layer_is_missing_and_a_tied_partner_of_it_is_not_e
     embed_lost = dropped == "embed.weight"  # then the head has no loaded partner to be refreshed from
     assert sorted(found.missing) == sorted([missing] + ([("head", 0, 24)] if embed_lost else []))
     assert [n for n, _ in found.tied] == ([] if embed_lost else ["head"])
-
-
-class _Engine:
-    """A worker-side weight-transfer engine's layerwise lifecycle, as vLLM's nccl/ipc engines run it."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def drain_pending(self):  # vLLM's base class: nothing deferred
-        pass
-
-    def start_weight_update(self):
-        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self):
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, type("ModelConfig", (), {"dtype": torch.float32})())
-        self.finished = True
 
 
 def test_the_checked_engine_refreshes_the_tied_head_and_fails_an_incomplete_update_after_finalize():

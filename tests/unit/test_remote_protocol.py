@@ -10,7 +10,7 @@ from pace.config import validate
 from pace.errors import ConfigError
 from pace.rollout.protocol import completion_from, params_json, prompt_logprobs_from
 from pace.sync import transfer_address
-from tests.unit.test_config import compose_cfg
+from tests.helpers import compose_cfg
 
 # a final chunk of /inference/v1/generate (stream=true, output_mode=tokens), as vLLM 0.32 sends it
 CHUNK = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [21, 7],

@@ -1,5 +1,5 @@
 """Tests for pace.reward: extraction, correctness, adversarial inputs (pure; the process pool
-that runs them is tested in test_grading.py)."""
+that runs them is tested in tests/integration/test_grader_processes.py)."""
 from __future__ import annotations
 
 import threading
@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pace.reward import ANSWER_TIMEOUT_S, extract_answer, is_correct
+from tests.helpers import ADVERSARIAL
 
 # ---------------------------------------------------------------- extraction
 
@@ -124,23 +125,6 @@ def test_integer_answer_property(n: int) -> None:
 
 # Each call may spend up to ANSWER_TIMEOUT_S in each of parse(gold), parse(pred), verify.
 QUICK_S = 3 * ANSWER_TIMEOUT_S + 0.5
-
-ADVERSARIAL = {
-    "empty": "",
-    "no_answer": "I refuse to answer.",
-    "million_chars": "a" * 1_000_000,
-    "million_chars_then_answer": "(" * 1_000_000 + "\nAnswer: 25",
-    "huge_number": "Answer: 9" + "9" * 10_000,
-    "huge_number_in_tail": "Answer: 9" + "9" * 3_000,
-    "latex_soup": "Answer: " + "\\frac{" * 150,
-    "latex_soup_long": "Answer: " + "\\frac{\\frac{\\frac{" * 2_000,
-    "boxed_soup": "\\boxed{" * 600,
-    "tower": "Answer: 10^{10^{10^{10}}}",
-    "unicode": "Answer: \ud800\udfff ☃ 𝔸 \u202e ﷽",
-    "null_bytes": "Answer: \x00\x00 25 \x00",
-    "dollars": "Answer: " + "$" * 3_990,
-    "only_marker": "Answer:",
-}
 
 
 @pytest.mark.parametrize("name", list(ADVERSARIAL))

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from pace import selection
+from tests.helpers import compose_cfg
 
 
 def _run(tmp_path, version: int, holds: int | None):
@@ -49,8 +50,6 @@ def test_the_wandb_run_is_the_one_summary_json_names_else_the_newest_folder(tmp_
 def test_the_logger_names_its_wandb_run_in_summary_json(tmp_path, monkeypatch):
     """An offline run: summary.json names the wandb run the run's folder holds, so eval.py's scores
     go to a run of their own (not resumed by id on a server that never saw it)."""
-    from test_config import compose_cfg
-
     from pace.logger import RunLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -6,35 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from analysis import table1
-
-LEVELS = ["arith_l1", "arith_l2"]
-
-
-def make_run(root: Path, name: str, pool: str, seed: int, version: int, scores: list[float] | None,
-             val: list[float] = (0.9, 0.8), checkpoint: bool = True, tools: int = 0, score: str = "effective") -> Path:
-    """A run folder as train.py and eval.py leave it: config, validation rows (numbers unlike the
-    scores), best.json and best/, and eval.py's result at mean@4 (when ``scores``)."""
-    d = root / name
-    (d / ".hydra").mkdir(parents=True)
-    cfg = {"seed": seed, "pool": {"name": pool}, "algo": {"name": "dapo"}, "pace": {"score": score},
-           "rollout": {"max_tool_calls": tools}, "eval": {"k": 4, "val_k": 2, "best_within": 300}}
-    (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
-    rows = [{"step": 0, "time/step": 1.0}, {"step": 1, "val/version": version, "val/avg": sum(val) / 2,
-                                            **{f"val/{n}/mean@2": v for n, v in zip(LEVELS, val)}}]
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "best.json").write_text(json.dumps({"version": version, "val/avg": sum(val) / 2, "path": str(d / "best")}))
-    if checkpoint:
-        (d / "best").mkdir()
-        (d / "best" / "config.json").write_text("{}")
-    if scores is not None:
-        (d / "eval").mkdir()
-        result = {"run": str(d), "selected": {"version": version}, "k": 4,
-                  "mean@4": {**dict(zip(LEVELS, scores)), "avg": sum(scores) / 2}}
-        (d / "eval" / "mean@4.json").write_text(json.dumps(result))
-    return d
+from tests.helpers import make_run
 
 
 def test_the_table_holds_eval_py_scores_by_method_with_versions_and_ks(tmp_path):
