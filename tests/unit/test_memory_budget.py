@@ -35,6 +35,23 @@ def _peak(fn, *track) -> int:
         fn()
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
+def _logprob_step_peak(model, vocab: int, tokens: int, prompt: int, chunk: int) -> int:
+    """Torch's peak of the trainer's chunked log-prob forward and backward on one random row, above
+    the weights and their (preallocated) gradients."""
+    ids = torch.randint(1, vocab, (1, tokens))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "index": torch.arange(prompt - 1, tokens - 1),
+             "targets": ids[0, prompt:]}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    held = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
+
+    def step():
+        logp, _ = response_logprobs(model, batch, 1.0, chunk)
+        (-logp.sum()).backward()
+
+    return _peak(step, model) - held
+
+
 
 @pytest.mark.parametrize("moe, tied", [(False, False), (False, True), (True, False)])
 def test_parameter_count_from_shapes_is_the_built_models(moe, tied):
@@ -89,18 +106,7 @@ def test_step_peak_above_the_states_is_what_torch_allocates(moe, dtype, checkpoi
         model.gradient_checkpointing_enable()
     model.train()
     tokens, prompt, chunk = 2048, 128, 256
-    ids = torch.randint(1, 512, (1, tokens))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "index": torch.arange(prompt - 1, tokens - 1),
-             "targets": ids[0, prompt:]}
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    held = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
-
-    def step():
-        logp, _ = response_logprobs(model, batch, 1.0, chunk)
-        (-logp.sum()).backward()
-
-    measured = _peak(step, model) - held
+    measured = _logprob_step_peak(model, 512, tokens, prompt, chunk)
     predicted = mb.step_bytes(mb.Shapes.of(config), tokens, tokens - prompt, chunk, DTYPES[dtype], checkpointing, fsdp=False)
     assert 0.85 < predicted["total"] / measured < 1.15, (predicted, measured)
 
@@ -109,18 +115,7 @@ def test_log_prob_phase_with_a_large_vocabulary_is_what_torch_allocates():
     """Vocabulary 32k on a narrow model: the [chunk, V] tensors and the head's gradient set the peak."""
     model, config = _model(vocab_size=32_768, num_hidden_layers=1)
     tokens, prompt, chunk = 1024, 64, 256
-    ids = torch.randint(1, 32_768, (1, tokens))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "index": torch.arange(prompt - 1, tokens - 1),
-             "targets": ids[0, prompt:]}
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    held = sum(p.nbytes + p.grad.nbytes for p in model.parameters())
-
-    def step():
-        logp, _ = response_logprobs(model, batch, 1.0, chunk)
-        (-logp.sum()).backward()
-
-    measured = _peak(step, model) - held
+    measured = _logprob_step_peak(model, 32_768, tokens, prompt, chunk)
     predicted = mb.step_bytes(mb.Shapes.of(config), tokens, tokens - prompt, chunk, "float32", False, fsdp=False)
     assert predicted["head"] > predicted["layers"]  # this case tests the log-prob phase
     assert 0.85 < predicted["total"] / measured < 1.15, (predicted, measured)

@@ -36,6 +36,16 @@ def test_a_child_engine_starts_with_the_mapped_devices_and_the_parents_come_back
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "12,13,14,15" and "RANK" not in os.environ
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15" and os.environ["RANK"] == "0"
 
+class _Engine:
+    """A stand-in engine: its seed, and its shutdown recorded in ``closed``."""
+
+    def __init__(self, seed, closed: list):
+        self.seed, self.closed = seed, closed
+
+    def shutdown(self, timeout=None):
+        self.closed.append(self.seed)
+
+
 
 def test_a_fleet_build_gives_each_engine_its_gpus_and_leaves_none_running_when_one_fails(monkeypatch):
     """`build_engines` with stand-in builds (no core process): each starts under its own GPUs; when
@@ -44,18 +54,11 @@ def test_a_fleet_build_gives_each_engine_its_gpus_and_leaves_none_running_when_o
 
     seen, closed = [], []
 
-    class Engine:
-        def __init__(self, seed):
-            self.seed = seed
-
-        def shutdown(self, timeout=None):
-            closed.append(self.seed)
-
     def build(model_path, rollout_cfg, dtype, seed, backend):
         seen.append((seed, os.environ.get("CUDA_VISIBLE_DEVICES"), "RANK" in os.environ))
         if seed == 12:
             raise RuntimeError("engine 2 failed")
-        return Engine(seed)
+        return _Engine(seed, closed)
 
     monkeypatch.setattr(engine_lib, "_new_llm", build)
     monkeypatch.setenv("RANK", "0")
@@ -97,17 +100,10 @@ def test_a_build_that_never_spawns_its_core_fails_by_the_start_deadline(monkeypa
 
     closed, release = [], threading.Event()
 
-    class Engine:
-        def __init__(self, seed):
-            self.seed = seed
-
-        def shutdown(self, timeout=None):
-            closed.append(self.seed)
-
     def build(model_path, rollout_cfg, dtype, seed, backend):
         if seed == 11:
             release.wait(30)  # hangs (until the test lets it go)
-        return Engine(seed)
+        return _Engine(seed, closed)
 
     monkeypatch.setattr(engine_lib, "_new_llm", build)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
