@@ -29,23 +29,18 @@ _RANK = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 _WORLD_SIZE = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
-def _first(names: tuple[str, ...], default: int) -> int:
-    """The first of ``names`` set to a non-negative integer (accelerate's `get_int_from_env`)."""
-    for name in names:
-        value = int(os.environ.get(name, -1))
-        if value >= 0:
-            return value
-    return default
-
-
 def rank() -> int:
     """This process's rank as the launcher set it (torchrun, `accelerate launch`, mpirun); 0 without one."""
-    return _first(_RANK, 0)
+    from accelerate.utils import get_int_from_env
+
+    return get_int_from_env(_RANK, 0)
 
 
 def world_size() -> int:
     """The number of processes the launcher started; 1 without one."""
-    return _first(_WORLD_SIZE, 1)
+    from accelerate.utils import get_int_from_env
+
+    return get_int_from_env(_WORLD_SIZE, 1)
 
 
 def rank0_dir(path: str) -> str:
