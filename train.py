@@ -21,7 +21,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pace import checkpoint as ckpt
-from pace import placement, rundir
+from pace import rundir
 from pace.algo.memory_check import check_memory
 from pace.algo.precision import mixed_precision
 from pace.config import register, validate
@@ -29,6 +29,7 @@ from pace.control import Control
 from pace.errors import ConfigError, DataError, RolloutError
 from pace.memory import release_free_heap, rss_mib
 from pace.mismatch import MismatchGuard, SyncMismatch
+from pace.placement import Placement
 from pace.records import Fate
 from pace.rollout import stopping
 from pace.signals import deafen_children
@@ -235,7 +236,8 @@ def run(cfg: DictConfig) -> None:
     control = Control(accelerator, cfg.trainer.control_timeout_s)  # waits on rank 0's long work
     world = accelerator.num_processes
     check_shares(cfg, world)
-    if cfg.rollout.deterministic and placement.engine_mode(cfg.rollout, device, world) != "inproc":
+    placement = Placement.of(cfg.rollout, device, world)  # the engines' process, backend, GPUs: once
+    if cfg.rollout.deterministic and placement.mode != "inproc":
         raise UserError(f"rollout.deterministic needs the in-process engine, which runs with one trainer process on CPU "
                         f"(here: {world} processes on {device})")
     set_seed(cfg.seed)
@@ -321,7 +323,7 @@ def run(cfg: DictConfig) -> None:
 
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)
-    if checkpoint is not None or placement.engine_mode(cfg.rollout, device, world) == "server":
+    if checkpoint is not None or placement.mode == "server":
         # the engines start from θ_version (a server may hold an earlier run's weights)
         sync.prepare(trainer.version)
         publish(trainer.version)
@@ -417,7 +419,7 @@ def run(cfg: DictConfig) -> None:
                 logger.log_groups(pool.drain_decided(), step=-1)
             counts = pool.counts()
             summary = {"status": status, "steps": trainer.version, "fates": counts, "rollout": dict(rollout.stats),
-                       "processes": world, "engine_process": placement.engine_mode(cfg.rollout, device, world),
+                       "processes": world, "engine_process": placement.mode,
                        "train/nonfinite_skipped": trainer.nonfinite_skipped,
                        "checkpoint": str(saved or checkpointer.last) if (saved or checkpointer.last) else None,
                        "resumed_from": str(checkpoint) if checkpoint is not None else None}

@@ -1,15 +1,54 @@
 """Where the rollout engines run and how weights reach them, as `rollout` says: the engine process
 (`engine_mode`), the weight-transfer backend (`backend_kind`, `transfer_backend`), each engine's
 GPUs (`engine_gpus`, `visible_devices`), the launcher variables an engine process must not see.
-Functions of the config alone, importable without vLLM: the engines (pace/rollout/engine.py), their
-servers (pace/rollout/server.py) and the weight sync (pace/sync.py) read them.
+Functions of the config alone, importable without vLLM.
+
+A run computes them once, into a frozen `Placement` handed to the fleet, the weight sync and the
+run summary:
+
+    placement = Placement.of(cfg.rollout, device, world)
+    placement.mode        # inproc | child | server
+    placement.backend     # shm | gloo | nccl | ipc
+    placement.transfer    # the name vLLM's WeightTransferEngineFactory registers it under
 """
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 
 # torchrun / accelerate variables: an engine process must not see the trainer's world
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION")
+
+
+SHM_TRANSFER = "pace_shm"  # the shared-memory backend's registered name (the trainer side is pace's own)
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str  # the trainer's: cpu or cuda
+    world: int  # trainer processes
+    mode: str  # the engine process: inproc, child or server
+    backend: str  # shm, gloo, nccl or ipc
+    gpus: tuple[tuple[int, ...], ...] | None  # each engine's GPU ids (separate placement on CUDA), else None
+
+    @property
+    def transfer(self) -> str:
+        """The backend's name in vLLM's WeightTransferEngineFactory (shm: pace's own)."""
+        return SHM_TRANSFER if self.backend == "shm" else self.backend
+
+    @classmethod
+    def of(cls, rollout_cfg, device: str, world: int, local_trainers: int | None = None) -> Placement:
+        """The placement `rollout` describes for ``world`` trainer processes on ``device``;
+        ``local_trainers``: those on this node (default: the launcher's LOCAL_WORLD_SIZE, else ``world``),
+        the GPUs engines start after."""
+        mode = engine_mode(rollout_cfg, device, world)
+        gpus = None
+        if device == "cuda" and rollout_cfg.placement == "separate":
+            local = local_trainers if local_trainers is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            gpus = tuple(tuple(g) for g in engine_gpus(rollout_cfg, local))
+        return cls(device=device, world=world, mode=mode, backend=backend_kind(rollout_cfg, device), gpus=gpus)
 
 
 def engine_mode(rollout_cfg, device: str, world_size: int) -> str:
@@ -32,10 +71,8 @@ def backend_kind(rollout_cfg, device: str) -> str:
 
 
 def transfer_backend(rollout_cfg, device: str) -> str:
-    from pace.rollout import transfer
-
     backend = backend_kind(rollout_cfg, device)
-    return transfer.BACKEND if backend == "shm" else backend
+    return SHM_TRANSFER if backend == "shm" else backend
 
 
 def engine_gpus(rollout_cfg, trainer_gpus: int) -> list[list[int]]:

@@ -46,10 +46,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+from pace.placement import SHM_TRANSFER as BACKEND
 from pace.rollout import source
 from pace.rollout.reload import ExactReload
 
-BACKEND = "pace_shm"
 ALIGN = 64  # bytes: every tensor starts at a multiple (views of any dtype are aligned)
 
 

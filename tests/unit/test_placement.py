@@ -118,3 +118,18 @@ def test_a_build_that_never_spawns_its_core_fails_by_the_start_deadline(monkeypa
     while closed != [10, 11] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert closed == [10, 11]
+
+
+def test_a_placement_is_computed_once_from_the_config_and_frozen():
+    import dataclasses
+
+    from pace.placement import Placement
+
+    cfg = OmegaConf.create({"engine_process": "auto", "weight_transfer": "auto", "placement": "separate", "engines": 2,
+                            "tensor_parallel_size": 1, "gpus": None})
+    cpu = Placement.of(cfg, "cpu", 1)
+    assert (cpu.mode, cpu.backend, cpu.transfer, cpu.gpus) == ("child", "shm", "pace_shm", None)  # two engines: children
+    gpu = Placement.of(cfg, "cuda", 2, local_trainers=2)
+    assert (gpu.mode, gpu.backend, gpu.transfer, gpu.gpus) == ("child", "nccl", "nccl", ((2,), (3,)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        gpu.mode = "server"
