@@ -95,7 +95,7 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Linear | torch.nn.Modu
 def response_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, chunk: int | None,
                       decoder: torch.nn.Module | None = None, head: torch.nn.Module | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π and entropy of every response token of a collated micro-batch (`pace.algo.trainer.collate`),
+    """log π and entropy of every response token of a collated micro-batch (`pace.algo.microbatch.collate`),
     flat [T]. ``chunk`` None: the full path; else the chunked one on the final hidden states.
 
     ``model`` is called as prepared (under FSDP its hooks unshard and reshard the weights as usual)
