@@ -16,7 +16,7 @@ log-probs, so the trainer divides by T too. vLLM's processed log-probs also refl
 truncation, which the trainer does not apply: with `top_p < 1` the behaviour log-prob ℓ^μ of a
 sampled token is the renormalised one, larger than the trainer's log π by −log(kept mass), and
 every ratio π_θ/μ would be biased below 1. So training rollouts are refused unless top_p = 1
-(pace/config.py; DAPO samples with top_p = 1); only evaluation may truncate.
+(pace/config_checks.py; DAPO samples with top_p = 1); only evaluation may truncate.
 """
 from __future__ import annotations
 
