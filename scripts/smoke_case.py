@@ -162,7 +162,8 @@ def child(args) -> None:
 def run_case(args) -> None:
     import torch
 
-    from pace.algo.trainer import DAPOTrainer, build_loss
+    from pace.algo.loss import build_loss
+    from pace.algo.trainer import DAPOTrainer
 
     case, cuda = args.case, not args.tiny
     cfg = trainer_config(PRESETS[case], args.model, args.tiny)

@@ -72,7 +72,7 @@ def _spans(mask):
 def test_tool_turns_are_masked_context_with_versions_and_logprobs(llm):
     import torch
 
-    from pace.algo.trainer import collate
+    from pace.algo.microbatch import collate
     from pace.reward import extract_answer
     from pace.staleness import group_staleness
     from pace.tools.protocol import CODE_STOP, OUTPUT_END, OUTPUT_START

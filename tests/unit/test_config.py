@@ -15,7 +15,8 @@ import pytest
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from pace.config import register, validate
+from pace.config import register
+from pace.config_checks import validate
 from pace.errors import ConfigError
 from tests.helpers import CONF, PAPER_PRESETS, PRESETS, compose_cfg
 
@@ -198,9 +199,10 @@ def test_paper_presets_start_up_to_the_missing_gpu(preset: str) -> None:
     """What `python train.py +exp=<preset>` does on this CPU machine: validation passes and the run
     stops at the device check, in one line (test_train_e2e runs one of them as a process)."""
     import train
+    from pace.errors import UserError
 
     cfg = compose_cfg([f"+exp={preset}"])
-    with pytest.raises(train.UserError, match="no CUDA GPU is available here"):
+    with pytest.raises(UserError, match="no CUDA GPU is available here"):
         train.run(cfg)
 
 
