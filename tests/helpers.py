@@ -13,6 +13,12 @@ import pytest
 import torch
 import yaml
 
+from pace.algo.advantages import is_informative
+from pace.pool import Pool
+from pace.pool.base import PoolPolicy
+from pace.pool.policies import AsyncPolicy
+from pace.records import Group, Trajectory
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 BENCH = SHARED / "benchmarks"
@@ -120,6 +126,34 @@ ADVERSARIAL = {
     "dollars": "Answer: " + "$" * 3_990,
     "only_marker": "Answer:",
 }
+
+
+# ---------------------------------------------------------------- pool groups (tests/unit/test_pool*.py)
+
+MIXED = (1.0, -1.0, 1.0, -1.0)  # informative
+ALL_RIGHT = (1.0, 1.0, 1.0, 1.0)  # filtered
+
+
+def make_group(gid: int, rewards=MIXED, submitted_at: int = 0) -> Group:
+    trajs = [
+        Trajectory(response_ids=[5, 6, 7], logprobs=[-0.5] * 3, versions=[submitted_at] * 3,
+                   completed_at=submitted_at, finish_reason="stop", correct=r > 0, reward=r)
+        for r in rewards
+    ]
+    return Group(id=gid, prompt_id=f"p{gid}", prompt_ids=[1, 2], answer="3", submitted_at=submitted_at, trajectories=trajs)
+
+
+def informative(g: Group) -> bool:
+    return is_informative([t.reward for t in g.trajectories])
+
+
+def make_pool(policy: PoolPolicy | None = None, batch_prompts: int = 2, max_inflight: int = 16) -> Pool:
+    return Pool(policy or AsyncPolicy(batch_prompts=batch_prompts, max_inflight_groups=max_inflight), informative)
+
+
+def submit_and_add(pool: Pool, g: Group, version: int = 0) -> bool:
+    pool.on_submitted(g)
+    return pool.add(g, version)
 
 
 # ---------------------------------------------------------------- configs: the presets and Hydra's compose
