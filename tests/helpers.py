@@ -257,6 +257,20 @@ def _hf_logprobs(model, ids: list[int], start: int, temperature: float = 1.0) ->
     return lp[0, start - 1:].tolist()
 
 
+def _moved(tiny_model_path, seed: int, scale: float = 0.05):
+    """The tiny model with every parameter moved by N(0, scale²): (HF model, its state dict as the
+    trainer's sync sends it). Parameters, not state-dict entries, are perturbed, so the tied
+    embedding and lm_head stay one tensor."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return model, [(n, t.detach().clone()) for n, t in model.state_dict().items()]
+
+
 def _batch(tokenizer, model, advantage: float, prompt_text="12+34=?\n"):
     """One group: the worked answer twice, both with the given advantage, behaviour = current policy.
 
