@@ -63,7 +63,8 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 
-    from pace.grading import Grader, GraderError
+    from pace.grading import Grader
+    from pace.grading_job import GraderError
 
     k = cfg.eval.k
     llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)

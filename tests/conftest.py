@@ -25,6 +25,28 @@ def tiny_model_path() -> str:
     return str(build_tiny(TinySpec(), ROOT / "data" / "cache", progress=False))
 
 
+# The in-process engine on the default tiny model and its weights, one per test module that asks
+# (test_engine.py, test_engine_rollout.py); the tests leave its weights as they found them.
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_path):
+    from pace.config import RolloutConfig
+    from pace.rollout import engine as engine_lib
+
+    llm = engine_lib.build_engine(tiny_model_path, RolloutConfig(), "float32", seed=0)
+    yield llm
+    engine_lib.shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    return [(n, p.detach().clone()) for n, p in model.state_dict().items()]
+
+
 @pytest.fixture(scope="session")
 def tiny_tool_model_path() -> str:
     """The tiny tool-use model of conf/model/tiny_tool.yaml (what the *_tiny_tool presets build)."""

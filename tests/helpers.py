@@ -13,6 +13,12 @@ import pytest
 import torch
 import yaml
 
+from pace.algo.advantages import is_informative
+from pace.pool import Pool
+from pace.pool.base import PoolPolicy
+from pace.pool.policies import AsyncPolicy
+from pace.records import Group, Trajectory
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 BENCH = SHARED / "benchmarks"
@@ -122,6 +128,34 @@ ADVERSARIAL = {
 }
 
 
+# ---------------------------------------------------------------- pool groups (tests/unit/test_pool*.py)
+
+MIXED = (1.0, -1.0, 1.0, -1.0)  # informative
+ALL_RIGHT = (1.0, 1.0, 1.0, 1.0)  # filtered
+
+
+def make_group(gid: int, rewards=MIXED, submitted_at: int = 0) -> Group:
+    trajs = [
+        Trajectory(response_ids=[5, 6, 7], logprobs=[-0.5] * 3, versions=[submitted_at] * 3,
+                   completed_at=submitted_at, finish_reason="stop", correct=r > 0, reward=r)
+        for r in rewards
+    ]
+    return Group(id=gid, prompt_id=f"p{gid}", prompt_ids=[1, 2], answer="3", submitted_at=submitted_at, trajectories=trajs)
+
+
+def informative(g: Group) -> bool:
+    return is_informative([t.reward for t in g.trajectories])
+
+
+def make_pool(policy: PoolPolicy | None = None, batch_prompts: int = 2, max_inflight: int = 16) -> Pool:
+    return Pool(policy or AsyncPolicy(batch_prompts=batch_prompts, max_inflight_groups=max_inflight), informative)
+
+
+def submit_and_add(pool: Pool, g: Group, version: int = 0) -> bool:
+    pool.on_submitted(g)
+    return pool.add(g, version)
+
+
 # ---------------------------------------------------------------- configs: the presets and Hydra's compose
 
 CONF = ROOT / "conf"
@@ -221,6 +255,20 @@ def _hf_logprobs(model, ids: list[int], start: int, temperature: float = 1.0) ->
     with torch.no_grad():
         lp, _ = token_logprobs(model(full).logits[:, :-1], full[:, 1:], temperature)
     return lp[0, start - 1:].tolist()
+
+
+def _moved(tiny_model_path, seed: int, scale: float = 0.05):
+    """The tiny model with every parameter moved by N(0, scale²): (HF model, its state dict as the
+    trainer's sync sends it). Parameters, not state-dict entries, are perturbed, so the tied
+    embedding and lm_head stay one tensor."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return model, [(n, t.detach().clone()) for n, t in model.state_dict().items()]
 
 
 def _batch(tokenizer, model, advantage: float, prompt_text="12+34=?\n"):

@@ -44,6 +44,7 @@ def failing_grade(responses: list[str], golds: list[str]) -> list:
 
 def inject(kind: str, at: int) -> None:
     import pace.grading as grading
+    import pace.grading_workers as grading_workers
     import pace.reward as reward
     from pace.algo.trainer import DAPOTrainer
     from pace.rollout.worker import RolloutWorker
@@ -80,14 +81,14 @@ def inject(kind: str, at: int) -> None:
 
         RolloutWorker.set_trainer_version = set_trainer_version
         if kind == "grader_dies":
-            new_executor = grading._new_executor
+            new_executor = grading_workers._new_executor
 
             def failing_new_executor():
                 if fired:
                     raise OSError(errno.ENOMEM, f"Cannot allocate memory (injected at θ_{at})")
                 return new_executor()
 
-            grading._new_executor = failing_new_executor
+            grading_workers._new_executor = failing_new_executor
         else:
             service = grading.Grader._service
 

@@ -1,4 +1,4 @@
-"""Tests for pace.grading: the process-pool Grader, its deadlines, and failures that reach the caller.
+"""Tests for pace.grading and pace.grading_workers: the process-pool Grader, its deadlines, and failures that reach the caller.
 
 They spawn real worker processes. ``_test_fn`` (tests/grader_hook.py) is the test hook passed as
 ``Grader(fn=...)``: it hangs, crashes, raises or sleeps on a sentinel response, so production code
@@ -17,8 +17,9 @@ import time
 
 import pytest
 
-import pace.grading as grading
-from pace.grading import Grader, GraderError
+import pace.grading_workers as grading_workers
+from pace.grading import Grader
+from pace.grading_job import GraderError
 from tests.grader_hook import CRASH, HANG, RAISE, SLOW, _test_fn
 
 pytestmark = pytest.mark.integration
@@ -144,7 +145,7 @@ def test_a_failed_answer_scores_wrong_and_is_counted() -> None:
 
 def _failing_executor(failures: list[int]):
     """``_new_executor`` that raises ENOMEM (fork under memory pressure) on the calls in ``failures``."""
-    real, calls = grading._new_executor, [0]
+    real, calls = grading_workers._new_executor, [0]
 
     def new_executor():
         calls[0] += 1
@@ -157,19 +158,19 @@ def _failing_executor(failures: list[int]):
 
 def test_a_worker_start_that_fails_once_is_retried_and_grades(monkeypatch) -> None:
     new_executor, calls = _failing_executor([1])
-    monkeypatch.setattr(grading, "_new_executor", new_executor)
+    monkeypatch.setattr(grading_workers, "_new_executor", new_executor)
     t0 = time.monotonic()
     with Grader(workers=1, timeout_s=5.0) as g:
         assert g.submit(["Answer: 7", "Answer: 8"], ["7", "7"]).result(timeout=60) == [True, False]
         stats = g.stats()
     assert calls[0] == 2 and stats["reward/restarts"] == 1 and stats["reward/graded"] == 2
-    assert time.monotonic() - t0 < grading.START_BACKOFF_S + 20
+    assert time.monotonic() - t0 < grading_workers.START_BACKOFF_S + 20
 
 
 def test_a_worker_that_never_starts_fails_the_grader_with_its_cause(monkeypatch) -> None:
     """Guards against: a grader with no live worker scoring every answer wrong, silently."""
     new_executor, calls = _failing_executor(["always"])
-    monkeypatch.setattr(grading, "_new_executor", new_executor)
+    monkeypatch.setattr(grading_workers, "_new_executor", new_executor)
     t0 = time.monotonic()
     with Grader(workers=1, timeout_s=5.0) as g:
         job = g.submit(["Answer: 1"], ["1"])
@@ -182,13 +183,13 @@ def test_a_worker_that_never_starts_fails_the_grader_with_its_cause(monkeypatch)
         with pytest.raises(GraderError):
             g.check()
         assert g.stats()["reward/graded"] == g.stats()["reward/errors"] == 0  # nothing scored
-    assert calls[0] == grading.START_ATTEMPTS
-    backoff = sum(grading.START_BACKOFF_S * 2 ** i for i in range(grading.START_ATTEMPTS - 1))
+    assert calls[0] == grading_workers.START_ATTEMPTS
+    backoff = sum(grading_workers.START_BACKOFF_S * 2 ** i for i in range(grading_workers.START_ATTEMPTS - 1))
     assert backoff - 0.1 < elapsed < backoff + 5  # retried with back-off, then loud within seconds
 
 
 def test_a_worker_that_dies_while_starting_fails_the_grader_naming_the_main_guard(monkeypatch) -> None:
-    monkeypatch.setattr(grading, "_warmup", _dying_warmup)
+    monkeypatch.setattr(grading_workers, "_warmup", _dying_warmup)
     with Grader(workers=1, timeout_s=5.0) as g:
         with pytest.raises(GraderError, match="BrokenProcessPool") as info:
             g.submit(["Answer: 1"], ["1"]).result(timeout=60)
@@ -200,7 +201,7 @@ def test_a_script_without_a_main_guard_fails_loudly(tmp_path) -> None:
     the 20 answers came back all False with no exception."""
     script = tmp_path / "grade_script.py"
     script.write_text(
-        f"import sys\nsys.path.insert(0, {str(grading.__file__.rsplit('/pace/', 1)[0])!r})\n"
+        f"import sys\nsys.path.insert(0, {str(grading_workers.__file__.rsplit('/pace/', 1)[0])!r})\n"
         "from pace.grading import Grader\n"
         "g = Grader(workers=1, timeout_s=5)\n"
         "print('scores', g.grade(['Answer: 1'] * 20, ['1'] * 20), g.stats())\n"
