@@ -28,12 +28,12 @@ from pace.config import register, validate
 from pace.control import Control
 from pace.errors import ConfigError, DataError, RolloutError
 from pace.memory import release_free_heap, rss_mib
-from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.placement import Placement
 from pace.records import Fate
 from pace.rollout import stopping
 from pace.signals import deafen_children
 from pace.tasks import loading
+from pace.weights.mismatch import MismatchGuard, SyncMismatch
 
 register()
 rundir.register()  # ${pace.rank0_dir:…} in conf/config.yaml's hydra section
@@ -309,7 +309,7 @@ def run(cfg: DictConfig) -> None:
                   f"at the checkpoint {len(kept)} continued, {len(dropped)} dropped (prompts returned)", file=sys.stderr)
         print(f"run directory: {run_dir}", file=sys.stderr)
     from pace import validation
-    from pace.sync import WeightSync
+    from pace.weights.sync import WeightSync
 
     control.barrier()  # rank 0 built the engines meanwhile: the others wait here, not in a collective below
     sync = WeightSync(cfg, trainer, rollout, device, barrier=control.barrier)  # every rank: the trainer side of vLLM weight transfer
@@ -382,7 +382,7 @@ def run(cfg: DictConfig) -> None:
                     K=f"{metrics['staleness/k_mean']:.2f}",
                     wait=f"{t_wait:.1f}s",
                 )
-            mismatch = (guard.check(step, metrics) or rollout.stale) if main_rank else None  # stale: pace/fingerprint.py
+            mismatch = (guard.check(step, metrics) or rollout.stale) if main_rank else None  # stale: pace/weights/fingerprint.py
             if control.decide(mismatch is not None):
                 failure = mismatch or SyncMismatch("stopped with rank 0 (on-policy mismatch)")
                 break

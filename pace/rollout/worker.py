@@ -25,10 +25,8 @@ import traceback
 from collections import deque
 
 from pace.errors import RolloutError
-from pace.fingerprint import SentWeights, StaleEngine
 from pace.pool import Pool
 from pace.pool.plugins import reads_pfs
-from pace.rollout import transfer
 from pace.rollout.failover import FailoverMixin
 from pace.rollout.fleet import EngineFleet
 from pace.rollout.generation import GenerationMixin
@@ -38,6 +36,8 @@ from pace.rollout.stopping import stop_token_ids
 from pace.rollout.tool_turns import ToolTurnsMixin
 from pace.rollout.validating import Validation, ValidationMixin
 from pace.tasks.base import PromptSampler
+from pace.weights import transfer
+from pace.weights.fingerprint import SentWeights, StaleEngine
 
 __all__ = ["RolloutError", "RolloutWorker", "Validation"]
 
@@ -109,11 +109,11 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._val_next = 0 if cfg.eval.at_start else cfg.eval.every
         self._val = None  # (EvalRun, version, weights, start time) while one runs
         self.validated_version: int | None = None  # the last version whose validation was handed over
-        # the trainer's fingerprints of what it sent (pace/sync.py) and the first update found without them
+        # the trainer's fingerprints of what it sent (pace/weights/sync.py) and the first update found without them
         self.sent_weights = SentWeights() if cfg.trainer.sync_fingerprint else None
         self.stale: StaleEngine | None = None
 
-    # --- called from the trainer thread (the weight-sync client of pace/rollout/transfer.py) --
+    # --- called from the trainer thread (the weight-sync client of pace/weights/transfer.py) --
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         """Before `start()`: connect the engines' weight-transfer backend."""
         self.engine.init_weight_transfer_engine(init_info)

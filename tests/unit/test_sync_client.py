@@ -1,4 +1,4 @@
-"""BlockingClient (pace/sync.py): the nccl/ipc weight-update calls run on the rollout thread; a
+"""BlockingClient (pace/weights/sync.py): the nccl/ipc weight-update calls run on the rollout thread; a
 thread that dies with a call pending must fail the trainer within seconds, not hang it."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import pytest
 
 from pace.errors import RolloutError
-from pace.sync import BlockingClient
+from pace.weights.sync import BlockingClient
 
 pytestmark = pytest.mark.unit
 
@@ -96,7 +96,7 @@ def test_streamed_weights_are_copied_to_host_on_rank_0_only(main):
     all-gathers are collectives), only rank 0 keeps host copies."""
     from types import SimpleNamespace
 
-    from pace.sync import WeightSync
+    from pace.weights.sync import WeightSync
 
     walked = []
 

@@ -7,7 +7,7 @@
 The weights are a `CastSource` over the trainer's parameters (each all-gathered with
 `full_tensor()` under FSDP, a collective every rank joins, and cast to the engine dtype), given to
 a vLLM trainer-side weight-transfer engine; on rank 0 it fingerprints what it sends, for the rollout
-thread to compare with the engines' after each update (pace/fingerprint.py). The engines' side is
+thread to compare with the engines' after each update (pace/weights/fingerprint.py). The engines' side is
 driven by the rollout thread (`RolloutWorker`), which owns them; the worker is the
 `VLLMWeightSyncClient` here.
 
@@ -31,7 +31,7 @@ import torch
 from pace.errors import RolloutError
 from pace.net import free_port
 from pace.placement import transfer_backend
-from pace.rollout import transfer
+from pace.weights import transfer
 
 
 class WeightSync:
@@ -39,7 +39,7 @@ class WeightSync:
         self.barrier = barrier  # the trainer ranks' wait on rank 0 (pace/control.py): hours, not NCCL's watchdog
         self.backend = transfer_backend(cfg.rollout, device)
         self.acc = trainer.acc
-        sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/fingerprint.py
+        sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/weights/fingerprint.py
         on_sent = None if sent is None else lambda prints: sent.expect(self._sending, prints)
         source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype), on_sent)
         # a checkpoint's copy of θ (`weights`) walks the same tensors without fingerprints: only what
@@ -50,7 +50,7 @@ class WeightSync:
         if self.backend == transfer.BACKEND:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
             self.engine = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
-        elif self.backend in ("nccl", "gloo"):  # gloo: the NCCL protocol over TCP (pace/rollout/gloo.py)
+        elif self.backend in ("nccl", "gloo"):  # gloo: the NCCL protocol over TCP (pace/weights/gloo.py)
             self.engine = self._connect(rank)
         elif self.backend == "ipc":  # colocated: the engine maps the trainer's CUDA tensors (no copy)
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
@@ -69,8 +69,8 @@ class WeightSync:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as Info
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine as Engine
         else:
-            from pace.rollout.gloo import GlooTrainerInitInfo as Info
-            from pace.rollout.gloo import GlooTrainerWeightTransferEngine as Engine
+            from pace.weights.gloo import GlooTrainerInitInfo as Info
+            from pace.weights.gloo import GlooTrainerWeightTransferEngine as Engine
         fleet = None if self.rollout is None else self.rollout.engine
         if hasattr(fleet, "transfer_workers"):  # servers: the ranks of the live ones
             workers = fleet.transfer_workers()
