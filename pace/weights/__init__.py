@@ -3,6 +3,8 @@ and the checks that the engines compute with it.
 
     sync.py         the trainer's side of a sync (every rank): prepare / publish, the shm, gloo, nccl
                     and ipc backends driven through vLLM's trainer-side weight-transfer engines
+    update.py       `WeightUpdate`: one update (its version, the backend's update info, the slot lock),
+                    what the trainer side hands the rollout thread
     source.py       the trainer's parameters as the engines load them (torch only)
     transfer.py     vLLM weight transfer: the `pace_shm` backend (both sides), the engines' worker
                     extension, the backends' registration; gloo.py: the NCCL protocol over TCP

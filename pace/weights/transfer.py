@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from pace.placement import SHM_TRANSFER as BACKEND
 from pace.weights import source
 from pace.weights.reload import ExactReload
+from pace.weights.update import WeightUpdate
 
 ALIGN = 64  # bytes: every tensor starts at a multiple (views of any dtype are aligned)
 
@@ -198,8 +199,8 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
             client.init_weight_transfer_engine(asdict(ShmInitInfo(directory=init_info.directory)))
         return engine
 
-    def write(self) -> dict | None:
-        """Materialise and write θ (every rank iterates; rank 0 writes). The update on rank 0."""
+    def write(self, version: int) -> WeightUpdate | None:
+        """Materialise and write θ_version (every rank iterates; rank 0 writes). The update on rank 0."""
         meta = self.source.metadata()
         if not self.is_sender:
             for _ in self.source:
@@ -209,12 +210,12 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
         self.slot = 1 - slot
         with self.locks[slot]:  # not while the rollout thread loads this slot
             info = write_slot(self.paths[slot], meta, iter(self.source))
-        return {"info": asdict(info), "lock": self.locks[slot]}
+        return WeightUpdate(version, asdict(info), self.locks[slot])
 
-    def send_weights(self, version: int | None = None) -> None:
-        update = self.write()
+    def send_weights(self, version: int) -> None:
+        update = self.write(version)
         if update is not None:
-            self.client.post_update(version, update)
+            self.client.post_update(update)
 
     def shutdown(self) -> None:
         if self.is_sender:
