@@ -312,7 +312,7 @@ def run(cfg: DictConfig) -> None:
     from pace.weights.sync import WeightSync
 
     control.barrier()  # rank 0 built the engines meanwhile: the others wait here, not in a collective below
-    sync = WeightSync(cfg, trainer, rollout, device, barrier=control.barrier)  # every rank: the trainer side of vLLM weight transfer
+    sync = WeightSync(cfg, trainer, rollout, placement, barrier=control.barrier)  # every rank: the trainer side of vLLM weight transfer
     checkpointer.weights = sync.weights  # a checkpoint keeps θ_version as a model directory
 
     def publish(version: int) -> None:

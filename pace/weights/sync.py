@@ -1,12 +1,12 @@
 """Weight sync, the trainer's side: θ_version from every trainer rank to the rollout engines.
 
-    sync = WeightSync(cfg, trainer, rollout, device)   # every rank (rollout: rank 0's, None elsewhere)
+    sync = WeightSync(cfg, trainer, rollout, placement)   # every rank (rollout: rank 0's, None elsewhere)
     sync.prepare(version)    # every rank, right after the update of that version
     sync.publish(version)    # every rank, once the step's checkpoint (if any) is written
 
 The weights are a `CastSource` over the trainer's parameters (each all-gathered with
 `full_tensor()` under FSDP, a collective every rank joins, and cast to the engine dtype), given to
-a vLLM trainer-side weight-transfer engine; on rank 0 it fingerprints what it sends, for the
+a vLLM trainer-side weight-transfer engine (`sender`); on rank 0 it fingerprints what it sends, for the
 rollout thread to compare with the engines' after each update (pace/weights/fingerprint.py). The engines'
 side is driven by the rollout thread (`RolloutWorker`), which owns them; the worker is the
 `VLLMWeightSyncClient` here. Each update reaches it as a `WeightUpdate` (pace/weights/update.py)
@@ -31,15 +31,15 @@ import torch
 
 from pace.errors import RolloutError
 from pace.net import free_port
-from pace.placement import transfer_backend
+from pace.placement import Placement
 from pace.weights import transfer
 from pace.weights.update import WeightUpdate
 
 
 class WeightSync:
-    def __init__(self, cfg, trainer, rollout, device: str, barrier=lambda: None):
+    def __init__(self, cfg, trainer, rollout, placement: Placement, barrier=lambda: None):
         self.barrier = barrier  # the trainer ranks' wait on rank 0 (pace/control.py): hours, not NCCL's watchdog
-        self.backend = transfer_backend(cfg.rollout, device)
+        self.backend = placement.transfer  # the name vLLM's factories register it under (shm: pace_shm)
         self.acc = trainer.acc
         sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/weights/fingerprint.py
         on_sent = None if sent is None else lambda prints: sent.expect(self._sending, prints)
@@ -51,13 +51,13 @@ class WeightSync:
         self.cfg, self.rollout, self.source = cfg, rollout, source
         if self.backend == transfer.BACKEND:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
-            self.engine = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
+            self.sender = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
         elif self.backend in ("nccl", "gloo"):  # gloo: the NCCL protocol over TCP (pace/weights/gloo.py)
-            self.engine = self._connect(rank)
+            self.sender = self._connect(rank)
         elif self.backend == "ipc":  # colocated: the engine maps the trainer's CUDA tensors (no copy)
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
-            self.engine = IPCTrainerWeightTransferEngine.trainer_init(
+            self.sender = IPCTrainerWeightTransferEngine.trainer_init(
                 IPCTrainerInitInfo(rank=rank), client=None if rollout is None else BlockingClient(rollout), source=source)
         else:
             raise ValueError(f"rollout.weight_transfer: unknown backend {self.backend!r}")
@@ -89,7 +89,7 @@ class WeightSync:
         """shm: every rank materialises θ, rank 0 writes it into a slot (the engines go on with
         the previous weights). nccl: nothing yet (the broadcast needs the engines paused)."""
         self._sending = version  # what the source's passes send from here on (its fingerprints' version)
-        self._update = self.engine.write(version) if self.backend == transfer.BACKEND else None
+        self._update = self.sender.write(version) if self.backend == transfer.BACKEND else None
         self._version = version
         if self._update is not None:
             self._written = self._update
@@ -119,23 +119,23 @@ class WeightSync:
             raise RuntimeError(f"publish({version}) after prepare({self._version})")
         if self.backend == transfer.BACKEND:
             if self._update is not None:
-                self.engine.client.post_update(self._update)
+                self.sender.client.post_update(self._update)
         else:
-            if self.engine.is_sender:
+            if self.sender.is_sender:
                 self._regroup()
                 # may wait for a validation; send_weights' start_weight_update is then a no-op
-                self.engine.client.start(WeightUpdate(version))
+                self.sender.client.start(WeightUpdate(version))
                 self._regroup()  # a server lost while the update started
             self.barrier()
             fleet = getattr(self.rollout, "engine", None)
             known = set() if not hasattr(fleet, "alive") else set(fleet.alive)
             try:
-                self.engine.send_weights()
+                self.sender.send_weights()
             except Exception as exc:
                 failed = fleet.wait_failed(known) if hasattr(fleet, "wait_failed") else None
                 if failed is None:
                     raise
-                self.engine.shutdown()  # the group's connections close: the live engines' receive fails, not waits
+                self.sender.shutdown()  # the group's connections close: the live engines' receive fails, not waits
                 from pace.errors import EngineFailed
 
                 raise EngineFailed(f"rollout engine {failed.index} ({failed.url}) failed during the weight broadcast "
@@ -145,11 +145,11 @@ class WeightSync:
     def _regroup(self) -> None:
         """Server mode, rank 0: after a server failed, the group is formed again by the live ones."""
         if getattr(getattr(self.rollout, "engine", None), "needs_regroup", False):
-            self.engine.shutdown()
-            self.engine = self._connect(0)
+            self.sender.shutdown()
+            self.sender = self._connect(0)
 
     def close(self) -> None:
-        self.engine.shutdown()
+        self.sender.shutdown()
 
 
 class BlockingClient:

@@ -83,6 +83,7 @@ def _sync(llm, model, version: int):
     from omegaconf import OmegaConf
 
     from pace.config import Config
+    from pace.placement import Placement
     from pace.pool import Pool, build_policy
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.base import Prompt, PromptSampler
@@ -91,7 +92,8 @@ def _sync(llm, model, version: int):
     cfg = OmegaConf.structured(Config)
     worker = RolloutWorker(llm, llm.get_tokenizer(), PromptSampler([Prompt("p", "1+1=?\n", "2")]),
                            Pool(build_policy(cfg), informative=lambda g: True), None, cfg)
-    sync = WeightSync(cfg, SimpleNamespace(acc=Accelerator(cpu=True), model=model), worker, "cpu")
+    sync = WeightSync(cfg, SimpleNamespace(acc=Accelerator(cpu=True), model=model), worker,
+                      Placement.of(cfg.rollout, "cpu", 1))
     assert sync.backend == "pace_shm"
     try:
         sync.prepare(version)

@@ -219,6 +219,7 @@ def test_only_the_sending_pass_is_fingerprinted_not_a_checkpoint_s_between_syncs
     from types import SimpleNamespace
 
     from pace.config import Config
+    from pace.placement import Placement
     from pace.weights.sync import WeightSync
 
     cfg = Config()
@@ -227,7 +228,7 @@ def test_only_the_sending_pass_is_fingerprinted_not_a_checkpoint_s_between_syncs
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     rollout = _Rollout()
     trainer = SimpleNamespace(model=model, acc=SimpleNamespace(process_index=0, is_main_process=True))
-    sync = WeightSync(cfg, trainer, rollout, "cpu")
+    sync = WeightSync(cfg, trainer, rollout, Placement.of(cfg.rollout, "cpu", 1))
     try:
         def step():
             with torch.no_grad():
