@@ -271,7 +271,7 @@ def run(cfg: DictConfig) -> None:
     checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints, model_path)
     checkpointer.barrier = control.barrier  # rank 0 writes the pool and θ's model directory meanwhile
 
-    rollout = pool = logger = llm = grader = best = validations = parts = sync = None
+    rollout = pool = logger = llm = grader = best = val_rows = parts = sync = None
     if main_rank:
         from pace.algo.advantages import is_informative
         from pace.grading import Grader
@@ -291,18 +291,18 @@ def run(cfg: DictConfig) -> None:
                         max_failed_in_row=cfg.reward.max_failed_in_row)
         llm = engine_lib.build_fleet(model_path, cfg, device, world, tokenizer=tokenizer, log_dir=run_dir)
         if val_sets is not None:
-            from pace.validation import BestCheckpoint, Validations
+            from pace.validation import BestCheckpoint, ValRows
 
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
         rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:
             from pace.selection import val_k
 
-            validations = Validations(rollout, best, val_k(cfg), cfg.trainer.steps)
+            val_rows = ValRows(rollout, best, val_k(cfg), cfg.trainer.steps)
             checkpointer.on_saved = best.saved  # a checkpoint records the best: what its resume needs
         state = ckpt.load_state(checkpoint) if checkpoint is not None else None
         logger = RunLogger(cfg, run_dir, config, group=default_group(cfg), resume=state and state["logger"])
-        parts = ckpt.RunParts(pool, sampler, rollout, grader, logger, validations)
+        parts = ckpt.RunParts(pool, sampler, rollout, grader, logger, val_rows)
         if state is not None:
             kept, dropped = ckpt.restore(state, parts)
             print(f"resuming {run_dir} from {checkpoint.name}: {pool.occupancy} pooled groups; of those in flight "
@@ -319,7 +319,7 @@ def run(cfg: DictConfig) -> None:
         """Every rank: the engines load θ_version, and a copy of it is kept for `<run>/best` if the
         engines validate it and no host copy reaches the validation (nccl, gloo, ipc)."""
         validation.publish(sync, version, best, rollout, control.decide, keep=cfg.eval.every > 0,
-                           within=cfg.eval.best_within)
+                           best_within=cfg.eval.best_within)
 
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)
@@ -365,8 +365,8 @@ def run(cfg: DictConfig) -> None:
             metrics["time/sync"] = time.perf_counter() - t_sync
 
             if main_rank:
-                if validations is not None:
-                    metrics.update(validations.next_row())
+                if val_rows is not None:
+                    metrics.update(val_rows.next_row())
                 decided = pool.drain_decided()
                 metrics.update(step_metrics(batch_done, pool, decided, t_wait, tools=cfg.rollout.max_tool_calls > 0))
                 metrics["time/trim"] = release_free_heap()  # pace/memory.py: flat host memory
@@ -391,8 +391,8 @@ def run(cfg: DictConfig) -> None:
             if due:  # after the checkpoint: a sync run has nothing in flight in it
                 publish(trainer.version)
         else:
-            if validations is not None:  # the final weights' validation, logged after the last step
-                validations.finish(logger, cfg.trainer.steps, stop=lambda: stop.requested)
+            if val_rows is not None:  # the final weights' validation, logged after the last step
+                val_rows.finish(logger, cfg.trainer.steps, stop=lambda: stop.requested)
             if cfg.trainer.save_every:
                 checkpointer.save("end of training", parts)
         if stop.requested or failure is not None:

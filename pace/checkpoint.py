@@ -152,7 +152,7 @@ class RunParts:
     rollout: object
     grader: object
     logger: object
-    validations: object | None = None  # pace.validation.Validations when eval.every > 0
+    val_rows: object | None = None  # pace.validation.ValRows when eval.every > 0
 
 
 def capture(parts: RunParts) -> bytes:
@@ -168,7 +168,7 @@ def capture(parts: RunParts) -> bytes:
             "rollout": rollout,
             "grader": parts.grader.state_dict(),
             "logger": parts.logger.state_dict(),
-            "validations": None if parts.validations is None else parts.validations.state_dict(),
+            "validations": None if parts.val_rows is None else parts.val_rows.state_dict(),  # the key checkpoints carry
         }
         return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -188,8 +188,8 @@ def restore(state: dict, parts: RunParts) -> tuple[list, list]:
     kept = [item for item in state["rollout"].get("inflight", []) if _group_of(item).id in ids]
     parts.rollout.load_inflight(kept, state["rollout"].get("version", 0))
     parts.grader.load_state_dict(state["grader"])
-    if parts.validations is not None and state["validations"] is not None:
-        parts.validations.load_state_dict(state["validations"])
+    if parts.val_rows is not None and state["validations"] is not None:
+        parts.val_rows.load_state_dict(state["validations"])
     return kept, dropped
 
 

@@ -339,9 +339,9 @@ def test_target_pool_is_n_star_with_null_meaning_b():
 
     cfg = compose_cfg(["+exp=pace_tiny", "data.batch_prompts=4"])
     assert cfg.pace.target_pool is None and target_pool(cfg) == 4
-    assert build_policy(cfg).controller.target == 4
+    assert build_policy(cfg).controller.target_pool == 4
     cfg.pace.target_pool = 12
-    assert target_pool(cfg) == 12 and build_policy(cfg).controller.target == 12
+    assert target_pool(cfg) == 12 and build_policy(cfg).controller.target_pool == 12
     assert target_pool(OmegaConf.to_object(cfg)) == 12  # the simulator builds its policy from the object
     assert target_pool({"pace": {"target_pool": None}, "data": {"batch_prompts": 32}}) == 32
     assert target_pool({"pace": {"target_pool": 0}, "data": {"batch_prompts": 32}}) == 0  # a value, not "unset"
