@@ -31,11 +31,11 @@ from pace.errors import ConfigError, DataError, RolloutError, UserError
 from pace.launch import default_group, resolve_device, resolve_model
 from pace.loop import step_metrics, wait_for_batch
 from pace.memory import release_free_heap, rss_mib
-from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.placement import Placement
 from pace.rollout import stopping
 from pace.signals import StopSignal, deafen_children
 from pace.tasks import loading
+from pace.weights.mismatch import MismatchGuard, SyncMismatch
 
 register()
 rundir.register()  # ${pace.rank0_dir:…} in conf/config.yaml's hydra section
@@ -157,10 +157,10 @@ def run(cfg: DictConfig) -> None:
                   f"at the checkpoint {len(kept)} continued, {len(dropped)} dropped (prompts returned)", file=sys.stderr)
         print(f"run directory: {run_dir}", file=sys.stderr)
     from pace import validation
-    from pace.sync import WeightSync
+    from pace.weights.sync import WeightSync
 
     control.barrier()  # rank 0 built the engines meanwhile: the others wait here, not in a collective below
-    sync = WeightSync(cfg, trainer, rollout, device, barrier=control.barrier)  # every rank: the trainer side of vLLM weight transfer
+    sync = WeightSync(cfg, trainer, rollout, placement, barrier=control.barrier)  # every rank: the trainer side of vLLM weight transfer
     checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints, model_path,
                                      weights=sync.weights,  # a checkpoint keeps θ_version as a model directory
                                      barrier=control.barrier,  # rank 0 writes the pool and θ's model directory meanwhile
@@ -233,7 +233,7 @@ def run(cfg: DictConfig) -> None:
                     K=f"{metrics['staleness/k_mean']:.2f}",
                     wait=f"{t_wait:.1f}s",
                 )
-            mismatch = (guard.check(step, metrics) or rollout.stale) if main_rank else None  # stale: pace/fingerprint.py
+            mismatch = (guard.check(step, metrics) or rollout.stale) if main_rank else None  # stale: pace/weights/fingerprint.py
             if control.decide(mismatch is not None):
                 failure = mismatch or SyncMismatch("stopped with rank 0 (on-policy mismatch)")
                 break

@@ -118,7 +118,7 @@ class RolloutConfig:
     placement: str = "separate"
     gpus: Optional[list[int]] = None  # indices as this process sees its GPUs (mapped through CUDA_VISIBLE_DEVICES)
     # vLLM weight-transfer backend: auto (shm on CPU; on GPU nccl, or ipc when colocated) | shm
-    # (pace/rollout/transfer.py: a /dev/shm file, engines on trainer rank 0's host) | nccl | ipc (vLLM's)
+    # (pace/weights/transfer.py: a /dev/shm file, engines on trainer rank 0's host) | nccl | ipc (vLLM's)
     weight_transfer: str = "auto"
 
 
@@ -246,13 +246,13 @@ class TrainerConfig:
     # (the best validated version has its own copy, <run>/best: pace/validation.py).
     save_every: int = 0
     keep_checkpoints: int = 2
-    # The engines compute with the trainer's weights (pace/mismatch.py): on-policy tokens' mean
+    # The engines compute with the trainer's weights (pace/weights/mismatch.py): on-policy tokens' mean
     # |ℓ^μ − log π_θ| above this warns once, and `sync_mismatch_steps` measured steps above it in a
     # row stop the run (0: warn only). null: 1e-5 for model.dtype float32, 0.2 for bfloat16/float16.
     max_sync_mismatch: Optional[float] = None
     sync_mismatch_steps: int = 3
     # After every weight sync, each engine worker's fingerprints of the tensors its served model's
-    # loader received must equal the trainer's of what it sent for that version (pace/fingerprint.py):
+    # loader received must equal the trainer's of what it sent for that version (pace/weights/fingerprint.py):
     # exact in any dtype, where `max_sync_mismatch` cannot see an engine a version behind in bf16.
     # Any other weights, or none, stop the run after a checkpoint.
     sync_fingerprint: bool = True

@@ -231,7 +231,7 @@ def publish(sync, version: int, best: BestCheckpoint | None, rollout, decide=lam
     ``best``, ``rollout``: rank 0's (None elsewhere); ``decide``: rank 0's flag on every rank
     (pace/control.py, a broadcast); ``keep``: validation is on (`eval.every` > 0) and ``best_within``:
     `eval.best_within`, on every rank, so versions that cannot be selected skip that broadcast."""
-    from pace.rollout import transfer
+    from pace.weights import transfer
 
     sync.publish(version)
     if not keep or sync.backend == transfer.BACKEND:  # shm: the validation carries θ (see BestCheckpoint)

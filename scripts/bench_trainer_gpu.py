@@ -22,7 +22,7 @@ vocabulary 151,936, tied embeddings; `--layers` of its 36), random, saved in bf1
 3. Agreement: the largest difference between the chunked and the full-vocabulary log-probs (no
    grad) on a 4,096-token row.
 4. The weight sync's gather (before the steps): every parameter cast to bf16 and gathered in full
-   (pace.rollout.source, as the sync streams them), against the checkpoint's bits; seconds.
+   (pace.weights.source, as the sync streams them), against the checkpoint's bits; seconds.
 
 Prints one JSON object per measurement, then a Markdown table.
 """

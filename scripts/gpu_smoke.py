@@ -13,7 +13,7 @@ over a gloo group of one (Accelerate picks FSDP only on accelerators), as tests/
 
 - ``fsdp``: the 8B-shaped model with the +exp=pace_qwen3_8b trainer settings (`DAPOTrainer`, as
   train.py builds it): fp32 shards and bf16 compute; the engine's view of the weights (the weight
-  sync's cast-and-gather, pace/rollout/source.py) against the HF checkpoint, names, shapes and bits,
+  sync's cast-and-gather, pace/weights/source.py) against the HF checkpoint, names, shapes and bits,
   and its time; one DAPO step on a 24,576-token sequence (a 22,528-token response): finite loss, the
   weights moved at lr 1e-6, peak memory; chunked vs full log-probs on a 4,096-token row of its own
   (the full path's logits of the 24,576-token row would not fit an H100); an `algo=m2po` and an

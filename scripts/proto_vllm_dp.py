@@ -13,7 +13,7 @@ What it prints, on the tiny model and the same requests (non-streamed `/inferenc
 
 `train.py rollout.engine_process=server rollout.servers=[<the --serve URL>]` runs against the pair:
 the pace weight transfer reaches both DP engines (vLLM's rank rule, data-parallel index × workers +
-rank + offset, is the one pace/rollout/gloo.py uses). docs/gpu.md "Rollout engines on other nodes" has the
+rank + offset, is the one pace/weights/gloo.py uses). docs/gpu.md "Rollout engines on other nodes" has the
 results and the choice they led to.
 """
 from __future__ import annotations

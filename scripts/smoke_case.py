@@ -115,12 +115,12 @@ def timed_step(trainer, batch, cuda: bool) -> dict:
 
 
 def engine_view(trainer, model_path: str, cuda: bool) -> dict:
-    """The weight sync's tensors (pace/rollout/source.py: cast to bf16, gathered) against the files:
+    """The weight sync's tensors (pace/weights/source.py: cast to bf16, gathered) against the files:
     the values of a "source" record."""
     import torch
     from safetensors import safe_open
 
-    from pace.rollout import source
+    from pace.weights import source
 
     files = {}
     for f in sorted(Path(model_path).glob("*.safetensors")):

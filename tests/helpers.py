@@ -341,7 +341,7 @@ def _update(model, weights: dict, engine=None):
         initialize_layerwise_reload,
         record_metadata_for_reloading,
     )
-    from pace.rollout import reload
+    from pace.weights import reload
 
     record_metadata_for_reloading(model)
     shared = reload.shared_parameters(model)

@@ -323,7 +323,7 @@ class DAPOTrainer:
     # --- weight sync ----------------------------------------------------------------------
     def full_state_dict(self) -> list[tuple[str, torch.Tensor]] | None:
         """Full (unsharded) weights as (name, tensor) on rank 0, None elsewhere. Collective under
-        FSDP. (Tests and tools; the weight sync streams parameters through pace/sync.py.)"""
+        FSDP. (Tests and tools; the weight sync streams parameters through pace/weights/sync.py.)"""
         state = self.acc.get_state_dict(self.model, unwrap=True)
         if not self.acc.is_main_process:
             return None

@@ -6,7 +6,7 @@ rollout thread: the CPU default with one trainer process, ~13-24 s faster to sta
 one trainer process, and the GPU default). `rollout.engines` data-parallel engines of
 `rollout.tensor_parallel_size` GPUs each run on GPUs of their own (`rollout.gpus`), the trainer
 on the others (pace/placement.py decides). Weights reach them through vLLM's weight-transfer API
-(pace/rollout/transfer.py).
+(pace/weights/transfer.py).
 """
 from __future__ import annotations
 
@@ -86,12 +86,12 @@ def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str |
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    from pace.rollout import transfer
+    from pace.weights import transfer
 
     extra = {}
     if backend is not None:
         extra = dict(weight_transfer_config=WeightTransferConfig(backend=transfer.engine_backend(backend)),
-                     worker_extension_cls="pace.rollout.transfer.WorkerExtension")
+                     worker_extension_cls="pace.weights.transfer.WorkerExtension")
     llm = LLM(
         model=model_path,
         dtype=dtype,
@@ -116,7 +116,7 @@ def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str |
     # A warning that repeats and means nothing here: vLLM's CPU worker says it ignores
     # torch.set_num_threads (it replaced the function). vLLM configures its loggers while building
     # the engine, so it is quieted after. (The reload's "Failed to load weights" warnings are
-    # decided, not quieted: pace/rollout/reload.py.)
+    # decided, not quieted: pace/weights/reload.py.)
     logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
     return llm
 
@@ -244,7 +244,7 @@ def load_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None
     tools; a run's rollout thread goes through `RolloutWorker.post_update`)."""
     from dataclasses import asdict
 
-    from pace.rollout import transfer
+    from pace.weights import transfer
     from pace.rollout.fleet import EngineFleet
 
     named = list(named_tensors)

@@ -183,7 +183,7 @@ class EngineFleet:
     def end_update(self, version: int | None) -> None:
         """Finish the update on every engine, then fail it (`IncompleteWeightUpdate`, the version
         label unchanged) if any worker's checks found layers without the sent weights."""
-        from pace.rollout.reload import IncompleteWeightUpdate
+        from pace.weights.reload import IncompleteWeightUpdate
 
         try:
             self.collective_rpc("finish_weight_update")
@@ -202,7 +202,7 @@ class EngineFleet:
                 e.engine_core.call_utility("resume_scheduler")
 
     def fingerprint_updates(self) -> None:
-        """Every worker fingerprints the weights it receives from the next update on (pace/fingerprint.py)."""
+        """Every worker fingerprints the weights it receives from the next update on (pace/weights/fingerprint.py)."""
         self.collective_rpc("pace_fingerprint_updates")
 
     def fingerprints(self) -> list:

@@ -3,7 +3,7 @@
 
 Each update: `/pause?mode=keep` (requests in flight keep their KV), vLLM's `HTTPVLLMWeightSyncClient`
 (`/start_weight_update`, `/update_weights` while trainer rank 0 broadcasts, `/finish_weight_update`),
-the reload checks of pace/rollout/reload.py and the weight fingerprints of pace/fingerprint.py through
+the reload checks of pace/weights/reload.py and the weight fingerprints of pace/weights/fingerprint.py through
 `/collective_rpc`, the version label through `/update_weight_version`, `/resume`. Every call goes
 to every live server at once: the broadcast is a collective over the trainer and every server's
 workers.
@@ -106,7 +106,7 @@ class RemoteWeightsMixin:
         self._each(lambda s: self._client(s).update_weights(update_info), "update_weights")
 
     def end_update(self, version: int | None) -> None:
-        from pace.rollout.reload import IncompleteWeightUpdate
+        from pace.weights.reload import IncompleteWeightUpdate
 
         try:
             self._each(lambda s: self._client(s).finish_weight_update(), "finish_weight_update")
@@ -128,7 +128,7 @@ class RemoteWeightsMixin:
         self._each(resume, "resume")
 
     def _rpc(self, method: str, what: str) -> list:
-        """``method`` of pace/rollout/transfer.py's `WorkerExtension` on every live server's workers."""
+        """``method`` of pace/weights/transfer.py's `WorkerExtension` on every live server's workers."""
         results = self._each(lambda s: self._post(s, "/collective_rpc", {"method": method}, timeout=self.engine_timeout_s),
                              what)
         return [r for result in results for r in (result or {}).get("results", [])]
@@ -137,7 +137,7 @@ class RemoteWeightsMixin:
         self._rpc("pace_fingerprint_updates", "the fingerprint switch")
 
     def fingerprints(self) -> list:
-        """Each live server's workers' fingerprints of their last update (pace/fingerprint.py)."""
+        """Each live server's workers' fingerprints of their last update (pace/weights/fingerprint.py)."""
         return self._rpc("pace_weight_fingerprint", "the weight fingerprints")
 
     def set_version(self, version: int) -> None:

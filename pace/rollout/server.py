@@ -4,7 +4,7 @@ A server is vLLM's own OpenAI-compatible API server (what `vllm serve` runs), st
 run's engines need and nothing of pace's beyond its worker extension:
 - the RL routes (`VLLM_SERVER_DEV_MODE=1`: `/pause?mode=keep`, `/resume`, `/init_weight_transfer_engine`,
   `/start_weight_update`, `/update_weights`, `/finish_weight_update`, `/update_weight_version`, and
-  `/collective_rpc` for the reload checks of pace/rollout/reload.py);
+  `/collective_rpc` for the reload checks of pace/weights/reload.py);
 - token-in/token-out generation whose final chunk carries the per-token `weight_versions`
   (`--enable-scale-out`: `/inference/v1/generate`);
 - the engine settings of `build_engine` (pace/rollout/engine.py): priority scheduling, no
@@ -40,7 +40,7 @@ ENTRY = "import sys; from vllm.entrypoints.launchers.api_server.entry import mai
 def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, host: str = "0.0.0.0",
                backend: str | None = None) -> list[str]:
     """The server's command-line arguments (after the model)."""
-    from pace.rollout import transfer
+    from pace.weights import transfer
 
     r = rollout_cfg
     args = ["--model", str(model_path), "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed),
@@ -49,7 +49,7 @@ def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, h
             "--gpu-memory-utilization", str(r.gpu_memory_utilization),
             "--enable-prefix-caching", "--scheduling-policy", "priority", "--no-async-scheduling",
             "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
-            "--worker-extension-cls", "pace.rollout.transfer.WorkerExtension",
+            "--worker-extension-cls", "pace.weights.transfer.WorkerExtension",
             "--disable-uvicorn-access-log"]
     if r.enforce_eager:
         args.append("--enforce-eager")

@@ -25,10 +25,8 @@ import traceback
 from collections import deque
 
 from pace.errors import RolloutError
-from pace.fingerprint import SentWeights, StaleEngine
 from pace.pool import Pool
 from pace.pool.plugins import reads_pfs
-from pace.rollout import transfer
 from pace.rollout.failover import FailoverMixin
 from pace.rollout.fleet import EngineFleet
 from pace.rollout.generation import GenerationMixin
@@ -38,6 +36,9 @@ from pace.rollout.stopping import stop_token_ids
 from pace.rollout.tool_turns import ToolTurnsMixin
 from pace.rollout.val_requests import ValRequestsMixin, ValResult
 from pace.tasks.base import PromptSampler
+from pace.weights import transfer
+from pace.weights.fingerprint import SentWeights, StaleEngine
+from pace.weights.update import WeightUpdate
 
 __all__ = ["RolloutError", "RolloutWorker"]
 
@@ -85,7 +86,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._pause_req = threading.Event()  # the trainer thread asks for a pause (checkpoint)
         self._paused = threading.Event()  # this thread acknowledges it, between engine steps
         self._update_lock = threading.Lock()
-        self._update: tuple[int, dict] | None = None
+        self._update: WeightUpdate | None = None
         self._calls: queue.Queue = queue.Queue()  # (fn, future) run on this thread (BlockingClient)
         self._transfer_ready = False
         self._own_slot: str | None = None  # post_weights' shared-memory file
@@ -109,11 +110,11 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._val_next = 0 if cfg.eval.at_start else cfg.eval.every
         self._val = None  # (EvalRun, version, weights, start time) while one runs
         self.validated_version: int | None = None  # the last version whose validation was handed over
-        # the trainer's fingerprints of what it sent (pace/sync.py) and the first update found without them
+        # the trainer's fingerprints of what it sent (pace/weights/sync.py) and the first update found without them
         self.sent_weights = SentWeights() if cfg.trainer.sync_fingerprint else None
         self.stale: StaleEngine | None = None
 
-    # --- called from the trainer thread (the weight-sync client of pace/rollout/transfer.py) --
+    # --- called from the trainer thread (the weight-sync client of pace/weights/transfer.py) --
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         """Before `start()`: connect the engines' weight-transfer backend."""
         self.engine.init_weight_transfer_engine(init_info)
@@ -121,11 +122,11 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             self.engine.fingerprint_updates()
         self._transfer_ready = True
 
-    def post_update(self, version: int, update: dict) -> None:
-        """Hand over θ_version (``update``: the backend's update info and the lock of its slot);
-        loaded before the next engine step. A newer update replaces one not yet loaded."""
+    def post_update(self, update: WeightUpdate) -> None:
+        """Hand over θ_version (``update``: its version, the backend's update info and the lock of
+        its slot); loaded before the next engine step. A newer update replaces one not yet loaded."""
         with self._update_lock:
-            self._update = (version, update)
+            self._update = update
         self._wake.set()
 
     def post_weights(self, version: int, named_tensors: list) -> None:
@@ -137,7 +138,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             self.init_weight_transfer_engine({"directory": transfer.shm_dir()})
         self._own_slot = self._own_slot or os.path.join(transfer.shm_dir(), f"pace-weights-post-{os.getpid()}-{id(self)}.bin")
         info = transfer.write_slot(self._own_slot, transfer.tensor_meta(named_tensors), iter(named_tensors))
-        self.post_update(version, {"info": asdict(info), "lock": threading.Lock()})
+        self.post_update(WeightUpdate(version, asdict(info), threading.Lock()))
 
     def call(self, fn):
         """Run ``fn`` on this thread between engine steps (not during a validation); a Future."""
@@ -322,11 +323,10 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             update, self._update = self._update, None
         if update is None:
             return False
-        version, payload = update
-        with payload["lock"]:  # the trainer does not rewrite this slot meanwhile
+        with update.lock:  # the trainer does not rewrite this slot meanwhile
             self._cancel_rescoring()
-            self.stats["sync_s"] += self.engine.update(version, payload["info"])
-            self._updated(version, weights=lambda: transfer.read_slot(payload["info"]))
+            self.stats["sync_s"] += self.engine.update(update.version, update.info)
+            self._updated(update.version, weights=lambda: transfer.read_slot(update.info))
         return True
 
     # BlockingClient (nccl, ipc): the update in two halves, the trainer's broadcast between them

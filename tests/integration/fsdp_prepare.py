@@ -62,7 +62,7 @@ def main(arch: str) -> None:
     name, p = next(iter(model.named_parameters()))
     full = p.full_tensor() if hasattr(p, "full_tensor") else p
     # the weight sync's source over the sharded model: every parameter, full shape, engine dtype
-    from pace.rollout.transfer import CastSource
+    from pace.weights.transfer import CastSource
 
     sent = {n: (tuple(t.shape), str(t.dtype), type(t).__name__) for n, t in CastSource(model, torch.bfloat16)}
     source_ok = sent == {n: (shape, "torch.bfloat16", "Tensor") for n, shape in names.items()}

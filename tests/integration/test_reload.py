@@ -66,7 +66,7 @@ def test_moe_reload_of_identical_weights_is_exact(tmp_path):
 
 def test_moe_experts_as_the_trainer_sends_them_load_as_the_checkpoints(tmp_path):
     """transformers 5 holds a Qwen3-MoE's experts fused (`experts.gate_up_proj` [E, 2I, H],
-    `experts.down_proj` [E, H, I]); the weight sync sends them so (pace/rollout/source.py), where
+    `experts.down_proj` [E, H, I]); the weight sync sends them so (pace/weights/source.py), where
     the checkpoint has them per expert. vLLM's MoE loader takes both (routed_experts.py): the engine
     must compute the same after either. (Both move its outputs from the first load's: the defect above.)"""
     from safetensors.torch import load_file
@@ -74,7 +74,7 @@ def test_moe_experts_as_the_trainer_sends_them_load_as_the_checkpoints(tmp_path)
 
     from pace.config import RolloutConfig
     from pace.rollout import engine as engine_lib
-    from pace.rollout import source
+    from pace.weights import source
 
     path = _moe_model(tmp_path / "moe")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

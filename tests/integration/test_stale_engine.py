@@ -1,7 +1,7 @@
 """An engine whose loader receives weights other than those it is labelled with, in bf16 (injected
 into `load_weights`: what the fingerprint observes), where the on-policy guard
-(pace/mismatch.py, bound 0.2 nats a token) cannot see it: the weight fingerprints after each sync
-(pace/fingerprint.py) stop the run at that sync; a correct bf16 run is silent. Real tiny runs (vLLM
+(pace/weights/mismatch.py, bound 0.2 nats a token) cannot see it: the weight fingerprints after each sync
+(pace/weights/fingerprint.py) stop the run at that sync; a correct bf16 run is silent. Real tiny runs (vLLM
 CPU engine in bf16, grading processes, trainer), ~35 s each on 2 cores."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The weights a run syncs reach every layer of the engine, exactly, through the path a run takes:
 the trainer's `WeightSync` (its `CastSource` over the model's parameters) → the pace_shm backend →
-the rollout worker's fleet → vLLM's layerwise reload, with pace/rollout/reload.py's checks.
+the rollout worker's fleet → vLLM's layerwise reload, with pace/weights/reload.py's checks.
 
 Guards against (each seen failing): a tied output head left with θ_0's kernels after every sync
 (vLLM-CPU packs the head's GEMM weights once; the tied checkpoint names the tensor only as
@@ -83,15 +83,17 @@ def _sync(llm, model, version: int):
     from omegaconf import OmegaConf
 
     from pace.config import Config
+    from pace.placement import Placement
     from pace.pool import Pool, build_policy
     from pace.rollout.worker import RolloutWorker
-    from pace.sync import WeightSync
     from pace.tasks.base import Prompt, PromptSampler
+    from pace.weights.sync import WeightSync
 
     cfg = OmegaConf.structured(Config)
     worker = RolloutWorker(llm, llm.get_tokenizer(), PromptSampler([Prompt("p", "1+1=?\n", "2")]),
                            Pool(build_policy(cfg), informative=lambda g: True), None, cfg)
-    sync = WeightSync(cfg, SimpleNamespace(acc=Accelerator(cpu=True), model=model), worker, "cpu")
+    sync = WeightSync(cfg, SimpleNamespace(acc=Accelerator(cpu=True), model=model), worker,
+                      Placement.of(cfg.rollout, "cpu", 1))
     assert sync.backend == "pace_shm"
     try:
         sync.prepare(version)
@@ -102,7 +104,7 @@ def _sync(llm, model, version: int):
 
 
 def _audit(llm):
-    """What the engine's last update received, layer by layer (pace/rollout/reload.py)."""
+    """What the engine's last update received, layer by layer (pace/weights/reload.py)."""
     return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine.last_audit
 
 
@@ -150,8 +152,8 @@ def test_the_engine_computes_with_the_trainers_weights_after_a_real_sync(head, r
 
 @pytest.mark.parametrize("dropped", [".layers.1.", "layers.1.self_attn.k_proj."])  # a layer; part of a fused qkv_proj
 def test_a_sync_that_misses_tensors_fails_naming_the_layers_and_the_engine_recovers(tied, monkeypatch, dropped):
-    from pace.rollout import source
-    from pace.rollout.reload import IncompleteWeightUpdate
+    from pace.weights import source
+    from pace.weights.reload import IncompleteWeightUpdate
 
     path, llm = tied
     model = _moved(path, seed=7)

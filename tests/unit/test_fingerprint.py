@@ -1,4 +1,4 @@
-"""pace/fingerprint.py: the exact fingerprint of a tensor, the judgement of an engine's report after
+"""pace/weights/fingerprint.py: the exact fingerprint of a tensor, the judgement of an engine's report after
 a sync, and both sides' taking of them (the trainer's `CastSource`, the engine's checked reload).
 The run-level proof (a bf16 engine one version behind stops the run; a correct one is silent) is
 tests/integration/test_stale_engine.py."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pace import fingerprint as fp
+from pace.weights import fingerprint as fp
 from tests.helpers import FULL, _Engine, _Toy, _update
 
 pytestmark = pytest.mark.unit
@@ -137,7 +137,7 @@ def test_only_the_last_versions_are_kept_and_only_sent_versions_are_judged():
 
 
 def test_the_trainer_side_fingerprints_what_it_yields_before_the_last_tensor_leaves():
-    from pace.rollout.transfer import CastSource
+    from pace.weights.transfer import CastSource
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     got = []
@@ -151,7 +151,7 @@ def test_the_trainer_side_fingerprints_what_it_yields_before_the_last_tensor_lea
 
 
 def test_the_checked_engine_fingerprints_what_its_loader_received_once_asked():
-    from pace.rollout import reload
+    from pace.weights import reload
 
     engine = reload.checked(_Engine)(_Toy())
     _update(engine.model, FULL, engine)
@@ -174,8 +174,8 @@ class _Listed(dict):
 def test_a_worker_reports_its_fingerprints_only_when_asked_and_only_for_the_model_it_serves():
     from types import SimpleNamespace
 
-    from pace.rollout import reload
-    from pace.rollout.transfer import WorkerExtension
+    from pace.weights import reload
+    from pace.weights.transfer import WorkerExtension
 
     engine = reload.checked(_Engine)(_Toy())
     worker = SimpleNamespace(weight_transfer_engine=engine, model_runner=SimpleNamespace(get_model=lambda: engine.model))
@@ -219,7 +219,8 @@ def test_only_the_sending_pass_is_fingerprinted_not_a_checkpoint_s_between_syncs
     from types import SimpleNamespace
 
     from pace.config import Config
-    from pace.sync import WeightSync
+    from pace.placement import Placement
+    from pace.weights.sync import WeightSync
 
     cfg = Config()
     cfg.model.dtype, cfg.rollout.weight_transfer, cfg.rollout.engines = "bfloat16", "gloo", 0
@@ -227,7 +228,7 @@ def test_only_the_sending_pass_is_fingerprinted_not_a_checkpoint_s_between_syncs
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     rollout = _Rollout()
     trainer = SimpleNamespace(model=model, acc=SimpleNamespace(process_index=0, is_main_process=True))
-    sync = WeightSync(cfg, trainer, rollout, "cpu")
+    sync = WeightSync(cfg, trainer, rollout, Placement.of(cfg.rollout, "cpu", 1))
     try:
         def step():
             with torch.no_grad():

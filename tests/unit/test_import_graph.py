@@ -13,6 +13,9 @@ The math modules (STYLE.md principle 2) are checked transitively: neither they, 
 above them (whose ``__init__`` runs first), nor any ``pace`` module those reach through the graph
 (function-level imports included) may import ``vllm`` or ``torch.distributed``, in any form
 (``import torch.distributed as dist``, ``from torch import distributed``, ``from vllm.x import y``).
+
+The weight path (``pace/weights/``) reaches nothing of ``pace/rollout/`` through the graph, so that
+its modules load (in an engine worker, in scripts/gpu_smoke.py) without the rollout's.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ MATH_MODULES = (
     "pace.reward",
 )
 FORBIDDEN_IN_MATH = ("vllm", "torch.distributed")
+WEIGHTS, ROLLOUT = "pace.weights", "pace.rollout"  # the weight path is the rollout's server, never its client
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -202,6 +206,20 @@ def test_math_modules_import_no_engine_or_distributed(math_module: str) -> None:
         if name == forbidden or name.startswith(forbidden + ".")
     ]
     assert not offenders, f"{math_module} reaches engine/distributed code: " + "; ".join(offenders)
+
+
+def rollout_reached_from_weights(edges: dict[str, set[str]]) -> list[str]:
+    """Each route from a ``pace.weights`` module to a ``pace.rollout`` one (shortest, one per target)."""
+    inside = lambda name, package: name == package or name.startswith(package + ".")  # noqa: E731
+    starts = [m for m in sorted(edges) if inside(m, WEIGHTS)]
+    return [" → ".join(route) for module, route in reachable(edges, starts).items() if inside(module, ROLLOUT)]
+
+
+def test_the_weight_path_imports_nothing_from_the_rollout() -> None:
+    edges, _ = parse_tree()
+    assert any(m.startswith(WEIGHTS + ".") for m in edges), f"no {WEIGHTS} modules in pace/ (update WEIGHTS)"
+    routes = rollout_reached_from_weights(edges)
+    assert not routes, f"{WEIGHTS} reaches {ROLLOUT}: " + "; ".join(routes)
 
 
 def test_the_graph_reads_every_kind_of_import(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The run-time guard that the engines compute with the trainer's weights (pace/mismatch.py)."""
+"""The run-time guard that the engines compute with the trainer's weights (pace/weights/mismatch.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from pace.config import Config
 from pace.config_checks import validate
 from pace.errors import ConfigError
-from pace.mismatch import KEY, MismatchGuard, SyncMismatch
+from pace.weights.mismatch import KEY, MismatchGuard, SyncMismatch
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,7 @@
 an FSDP all-gather on every rank. The other ranks must wait for rank 0 at the control barrier
 (pace/control.py, a timeout of hours), not inside that all-gather, under the trainer's collective
 timeout (NCCL's 10-minute watchdog on GPUs). Two gloo processes, a real FSDP2 model and the weight
-sync's source (pace/rollout/source.py); the engines are a stand-in that only iterates the source
+sync's source (pace/weights/source.py); the engines are a stand-in that only iterates the source
 (what vLLM's trainer engines do on ranks ≥ 1) and a rollout whose update is held 5 s; the trainer's
 collectives time out at 2 s."""
 from __future__ import annotations
@@ -41,7 +41,7 @@ class StandInEngine:
         self.model, self.client, self.is_sender = model, client, client is not None
 
     def send_weights(self):
-        from pace.rollout import source
+        from pace.weights import source
 
         if self.is_sender:
             self.client.start_weight_update()
@@ -55,7 +55,7 @@ def _rank(rank: int, port: int, use_barrier: bool, results) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from pace.sync import BlockingClient, WeightSync
+    from pace.weights.sync import BlockingClient, WeightSync
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -67,7 +67,7 @@ def _rank(rank: int, port: int, use_barrier: bool, results) -> None:
     fully_shard(model)
     sync = WeightSync.__new__(WeightSync)  # the publish logic alone: no engines to build
     sync.backend, sync._version, sync._update, sync.rollout = "gloo", 1, None, None  # no engines of its own
-    sync.engine = StandInEngine(model, BlockingClient(HeldRollout()) if rank == 0 else None)
+    sync.sender = StandInEngine(model, BlockingClient(HeldRollout()) if rank == 0 else None)
     sync.barrier = (lambda: dist.barrier(group=control)) if use_barrier else (lambda: None)
     t0 = time.perf_counter()
     try:

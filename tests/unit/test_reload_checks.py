@@ -1,4 +1,4 @@
-"""pace/rollout/reload.py on a toy module through vLLM's own layerwise reload (no engine): what an
+"""pace/weights/reload.py on a toy module through vLLM's own layerwise reload (no engine): what an
 update received, layer by layer; the tied layer's refresh; an incomplete update reported after
 vLLM's finalize. The engine-level tests are tests/integration/test_weight_sync.py."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_a_missing_or_partial_layer_is_missing_and_a_tied_partner_of_it_is_not_e
 
 
 def test_the_checked_engine_refreshes_the_tied_head_and_fails_an_incomplete_update_after_finalize():
-    from pace.rollout import reload
+    from pace.weights import reload
 
     engine = reload.checked(_Engine)(_Toy())
     _update(engine.model, FULL, engine)
@@ -48,7 +48,7 @@ def test_the_checked_engine_refreshes_the_tied_head_and_fails_an_incomplete_upda
 
 
 def test_a_tied_layer_whose_processing_cannot_be_redone_fails_in_one_line():
-    from pace.rollout import reload
+    from pace.weights import reload
 
     model = _Toy()
     model.head.quant_method = type("Fp8LinearMethod", (), {"process_weights_after_loading": lambda self, layer: None})()
@@ -62,8 +62,8 @@ def test_every_backend_builds_a_checked_engine_in_the_workers():
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    from pace.rollout import transfer
-    from pace.rollout.reload import ExactReload
+    from pace.weights import transfer
+    from pace.weights.reload import ExactReload
 
     bases = {"pace_shm": transfer.ShmWeightTransferEngine, "nccl": NCCLWeightTransferEngine, "ipc": IPCWeightTransferEngine}
     for backend, base in bases.items():
@@ -80,8 +80,8 @@ def test_only_the_failed_load_lines_the_audit_decides_are_dropped_from_vllms_log
 
     from vllm.model_executor.model_loader.reload import layerwise
 
-    from pace.rollout import reload
-    import pace.rollout.transfer  # noqa: F401 - registering the backends installs the filter
+    from pace.weights import reload
+    import pace.weights.transfer  # noqa: F401 - registering the backends installs the filter
 
     class Keep(logging.Handler):
         def __init__(self):
@@ -109,7 +109,7 @@ def test_a_padded_vocabulary_expects_only_the_rows_a_checkpoint_has():
     (uncounted): a vocabulary of 50,280 must not read as a partial load."""
     from types import SimpleNamespace
 
-    from pace.rollout.reload import expected_elements
+    from pace.weights.reload import expected_elements
 
     shard = SimpleNamespace(num_org_elements=50_280)
     assert expected_elements(SimpleNamespace(shard_indices=shard, embedding_dim=8), 50_304 * 8) == 50_280 * 8

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from pace.config_checks import validate
 from pace.errors import ConfigError
 from pace.rollout.protocol import completion_from, params_json, prompt_logprobs_from
-from pace.sync import transfer_address
+from pace.weights.sync import transfer_address
 from tests.helpers import compose_cfg
 
 # a final chunk of /inference/v1/generate (stream=true, output_mode=tokens), as vLLM 0.32 sends it

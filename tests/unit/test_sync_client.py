@@ -1,4 +1,4 @@
-"""BlockingClient (pace/sync.py): the nccl/ipc weight-update calls run on the rollout thread; a
+"""BlockingClient (pace/weights/sync.py): the nccl/ipc weight-update calls run on the rollout thread; a
 thread that dies with a call pending must fail the trainer within seconds, not hang it."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import pytest
 
 from pace.errors import RolloutError
-from pace.sync import BlockingClient
+from pace.weights.sync import BlockingClient
 
 pytestmark = pytest.mark.unit
 
@@ -82,6 +82,39 @@ def test_a_rollout_thread_that_dies_with_a_call_queued_fails_it_within_seconds(m
     assert "engine core died" in str(outcome["error"]) and outcome["s"] < 3
 
 
+class _Labelling:
+    """A rollout with no thread started (calls run on the caller) that records the update calls."""
+
+    ident = None
+
+    def __init__(self):
+        self.calls = []
+
+    def begin_update(self):
+        self.calls.append("begin")
+
+    def end_update(self, version):
+        self.calls.append(("end", version))
+
+
+def test_an_update_labels_the_engines_with_the_version_it_was_started_with():
+    """vLLM's trainer engines call start/finish_weight_update without a version: the engines are
+    labelled with that of the `WeightUpdate` the update was started with, each update its own."""
+    from pace.weights.update import WeightUpdate
+
+    rollout = _Labelling()
+    client = BlockingClient(rollout)
+    with pytest.raises(RuntimeError, match=r"before start\(update\)"):
+        client.start_weight_update()  # no update started: no version to label the engines with
+    for version in (3, 4):
+        client.start(WeightUpdate(version))
+        client.start_weight_update()  # the trainer engine's own call: no second pause
+        client.finish_weight_update()
+    assert rollout.calls == ["begin", ("end", 3), "begin", ("end", 4)]
+    with pytest.raises(RuntimeError, match="without an update started"):
+        client.finish_weight_update()
+
+
 class _Tensor:
     copies = 0
 
@@ -96,7 +129,7 @@ def test_streamed_weights_are_copied_to_host_on_rank_0_only(main):
     all-gathers are collectives), only rank 0 keeps host copies."""
     from types import SimpleNamespace
 
-    from pace.sync import WeightSync
+    from pace.weights.sync import WeightSync
 
     walked = []
 

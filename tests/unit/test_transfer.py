@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_slot_round_trip_keeps_names_dtypes_shapes_and_values(tmp_path):
-    from pace.rollout import transfer
+    from pace.weights import transfer
 
     gen = torch.Generator().manual_seed(0)
     named = [("a.weight", torch.randn(3, 5, generator=gen)), ("b.bias", torch.randn(7, generator=gen).to(torch.bfloat16)),
@@ -28,7 +28,7 @@ def test_slot_round_trip_keeps_names_dtypes_shapes_and_values(tmp_path):
 
 
 def test_cast_source_sends_engine_dtype_once_per_tied_tensor_under_checkpoint_names():
-    from pace.rollout import transfer
+    from pace.weights import transfer
 
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(10, 4)
@@ -44,7 +44,7 @@ def test_cast_source_sends_engine_dtype_once_per_tied_tensor_under_checkpoint_na
 
 
 def test_a_source_that_disagrees_with_its_metadata_is_refused(tmp_path):
-    from pace.rollout import transfer
+    from pace.weights import transfer
 
     named = [("a", torch.zeros(2)), ("b", torch.zeros(3))]
     with pytest.raises(RuntimeError, match="'b'"):

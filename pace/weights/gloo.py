@@ -3,7 +3,7 @@
 Trainer rank 0 and every engine worker form one process group (gloo, over a TCPStore that rank 0
 serves at `master_address:master_port`); rank 0 broadcasts each parameter in the engine dtype and
 every worker loads it between vLLM's `start_weight_update` and `finish_weight_update` (layerwise
-reload, with pace/rollout/reload.py's checks). Ranks, rendezvous and the order of calls are those of
+reload, with pace/weights/reload.py's checks). Ranks, rendezvous and the order of calls are those of
 vLLM's NCCL engines (`vllm/distributed/weight_transfer/nccl_engine.py`): a worker's rank is
 `rank_offset` + its engine's data-parallel index × the engine's workers + its own rank, the fleet
 gives each engine its offset (pace/rollout/fleet.py) and calls the engines at once, and the

@@ -11,7 +11,7 @@ issued by the rollout thread, which owns the engines (pace/rollout/fleet.py).
 Backends, chosen by `rollout.weight_transfer`:
 - ``nccl`` (vLLM's, GPU): trainer rank 0 broadcasts each parameter to every engine worker; every
   trainer rank takes part in the FSDP all-gather of each parameter (`full_tensor()`).
-- ``gloo`` (pace/rollout/gloo.py, both sides): the NCCL protocol over TCP — CPU engines in other
+- ``gloo`` (pace/weights/gloo.py, both sides): the NCCL protocol over TCP — CPU engines in other
   processes, and the path the multi-engine rendezvous is tested through on CPU.
 - ``shm`` (this module, registered with both factories): trainer rank 0 writes every parameter,
   cast to the engine dtype, into a file in /dev/shm (two alternating slots), and each worker
@@ -19,9 +19,9 @@ Backends, chosen by `rollout.weight_transfer`:
   the CPU path and works for engines on the same host as trainer rank 0.
 
 The worker sides are registered when this module is imported in the engine worker: the engines
-are built with `worker_extension_cls="pace.rollout.transfer.WorkerExtension"`, which vLLM imports
+are built with `worker_extension_cls="pace.weights.transfer.WorkerExtension"`, which vLLM imports
 in every worker process before it creates the weight-transfer engine. Each is checked
-(pace/rollout/reload.py: a tied output head is re-processed after every update, and an update
+(pace/weights/reload.py: a tied output head is re-processed after every update, and an update
 that leaves a layer without weights fails): ``pace_shm``, and ``pace_nccl`` / ``pace_ipc`` for
 vLLM's nccl and ipc engines (their trainer sides are vLLM's, unchanged).
 """
@@ -47,8 +47,9 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from pace.placement import SHM_TRANSFER as BACKEND
-from pace.rollout import source
-from pace.rollout.reload import ExactReload
+from pace.weights import source
+from pace.weights.reload import ExactReload
+from pace.weights.update import WeightUpdate
 
 ALIGN = 64  # bytes: every tensor starts at a multiple (views of any dtype are aligned)
 
@@ -124,7 +125,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
 
 class CheckedShmWeightTransferEngine(ExactReload, ShmWeightTransferEngine):
-    """The ``pace_shm`` worker side: the shm engine with pace/rollout/reload.py's checks."""
+    """The ``pace_shm`` worker side: the shm engine with pace/weights/reload.py's checks."""
 
 
 def _views(flat: torch.Tensor, info: ShmUpdateInfo, device) -> Iterator[tuple[str, torch.Tensor]]:
@@ -139,12 +140,12 @@ class WorkerExtension:
     worker process (the weight-transfer RPCs are vLLM's own); one call of its own."""
 
     def pace_weight_update_failure(self) -> str | None:
-        """What this worker's last weight update left undone (pace/rollout/reload.py), or None."""
+        """What this worker's last weight update left undone (pace/weights/reload.py), or None."""
         engine = getattr(self, "weight_transfer_engine", None)
         return engine.take_failure() if isinstance(engine, ExactReload) else None
 
     def pace_fingerprint_updates(self) -> None:
-        """From the next update on, fingerprint what the model's loader receives (pace/fingerprint.py)."""
+        """From the next update on, fingerprint what the model's loader receives (pace/weights/fingerprint.py)."""
         engine = getattr(self, "weight_transfer_engine", None)
         if isinstance(engine, ExactReload):
             engine.fingerprinting = True
@@ -198,8 +199,8 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
             client.init_weight_transfer_engine(asdict(ShmInitInfo(directory=init_info.directory)))
         return engine
 
-    def write(self) -> dict | None:
-        """Materialise and write θ (every rank iterates; rank 0 writes). The update on rank 0."""
+    def write(self, version: int) -> WeightUpdate | None:
+        """Materialise and write θ_version (every rank iterates; rank 0 writes). The update on rank 0."""
         meta = self.source.metadata()
         if not self.is_sender:
             for _ in self.source:
@@ -209,12 +210,12 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
         self.slot = 1 - slot
         with self.locks[slot]:  # not while the rollout thread loads this slot
             info = write_slot(self.paths[slot], meta, iter(self.source))
-        return {"info": asdict(info), "lock": self.locks[slot]}
+        return WeightUpdate(version, asdict(info), self.locks[slot])
 
-    def send_weights(self, version: int | None = None) -> None:
-        update = self.write()
+    def send_weights(self, version: int) -> None:
+        update = self.write(version)
         if update is not None:
-            self.client.post_update(version, update)
+            self.client.post_update(update)
 
     def shutdown(self) -> None:
         if self.is_sender:
@@ -277,10 +278,10 @@ def tensor_meta(named: list[tuple[str, torch.Tensor]]) -> list[ParamMeta]:
 
 
 class CastSource(WeightSource):
-    """The trainer's parameters as the engine loads them (pace/rollout/source.py): names without
+    """The trainer's parameters as the engine loads them (pace/weights/source.py): names without
     wrapper prefixes, each cast to the engine dtype on the trainer's device (a sharded DTensor keeps
     its sharding) and all-gathered if sharded (`full_tensor()`, a collective on every rank): no fp32
-    on the wire. ``on_sent``: given the fingerprints of every tensor (pace/fingerprint.py) once a
+    on the wire. ``on_sent``: given the fingerprints of every tensor (pace/weights/fingerprint.py) once a
     pass has made them all, before it yields the last (trainer rank 0: before the engines finish)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, on_sent=None):
@@ -292,7 +293,7 @@ class CastSource(WeightSource):
         return [ParamMeta(name, self.dtype, tuple(p.shape)) for name, p in source.named_parameters(self.model)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from pace.fingerprint import Fingerprints
+        from pace.weights.fingerprint import Fingerprints
 
         prints = Fingerprints() if self.on_sent is not None else None
         params = list(source.named_parameters(self.model))
@@ -306,7 +307,7 @@ class CastSource(WeightSource):
 
 
 # The worker-side engine of each backend: vLLM's nccl and ipc engines and this module's shm engine,
-# each with pace/rollout/reload.py's checks (exact tied heads, no layer left without weights).
+# each with pace/weights/reload.py's checks (exact tied heads, no layer left without weights).
 ENGINE_BACKENDS = {BACKEND: BACKEND, "nccl": "pace_nccl", "ipc": "pace_ipc", "gloo": "pace_gloo"}
 
 
@@ -324,8 +325,8 @@ def register() -> None:
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    from pace.rollout import gloo
-    from pace.rollout.reload import LAYERWISE_LOGGER, checked, decided_here
+    from pace.weights import gloo
+    from pace.weights.reload import LAYERWISE_LOGGER, checked, decided_here
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, CheckedShmWeightTransferEngine)

@@ -1,5 +1,5 @@
 """The trainer's weights as the engines load them: torch only, so that the trainer side runs (and
-scripts/gpu_smoke.py checks it) where vLLM is not installed. `pace.rollout.transfer.CastSource`
+scripts/gpu_smoke.py checks it) where vLLM is not installed. `pace.weights.transfer.CastSource`
 is vLLM's `WeightSource` over these two functions."""
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """Weight sync, the trainer's side: θ_version from every trainer rank to the rollout engines.
 
-    sync = WeightSync(cfg, trainer, rollout, device)   # every rank (rollout: rank 0's, None elsewhere)
+    sync = WeightSync(cfg, trainer, rollout, placement)   # every rank (rollout: rank 0's, None elsewhere)
     sync.prepare(version)    # every rank, right after the update of that version
     sync.publish(version)    # every rank, once the step's checkpoint (if any) is written
 
 The weights are a `CastSource` over the trainer's parameters (each all-gathered with
 `full_tensor()` under FSDP, a collective every rank joins, and cast to the engine dtype), given to
-a vLLM trainer-side weight-transfer engine; on rank 0 it fingerprints what it sends, for the rollout
-thread to compare with the engines' after each update (pace/fingerprint.py). The engines' side is
-driven by the rollout thread (`RolloutWorker`), which owns them; the worker is the
-`VLLMWeightSyncClient` here.
+a vLLM trainer-side weight-transfer engine (`sender`); on rank 0 it fingerprints what it sends, for the
+rollout thread to compare with the engines' after each update (pace/weights/fingerprint.py). The engines'
+side is driven by the rollout thread (`RolloutWorker`), which owns them; the worker is the
+`VLLMWeightSyncClient` here. Each update reaches it as a `WeightUpdate` (pace/weights/update.py)
+carrying its version.
 
 - ``shm`` (CPU; engines on rank 0's host): rank 0 writes θ into a shared-memory slot and posts
   it; the rollout thread loads it between engine steps while the trainer goes on. A newer
@@ -30,16 +31,17 @@ import torch
 
 from pace.errors import RolloutError
 from pace.net import free_port
-from pace.placement import transfer_backend
-from pace.rollout import transfer
+from pace.placement import Placement
+from pace.weights import transfer
+from pace.weights.update import WeightUpdate
 
 
 class WeightSync:
-    def __init__(self, cfg, trainer, rollout, device: str, barrier=lambda: None):
+    def __init__(self, cfg, trainer, rollout, placement: Placement, barrier=lambda: None):
         self.barrier = barrier  # the trainer ranks' wait on rank 0 (pace/control.py): hours, not NCCL's watchdog
-        self.backend = transfer_backend(cfg.rollout, device)
+        self.backend = placement.transfer  # the name vLLM's factories register it under (shm: pace_shm)
         self.acc = trainer.acc
-        sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/fingerprint.py
+        sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/weights/fingerprint.py
         on_sent = None if sent is None else lambda prints: sent.expect(self._sending, prints)
         source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype), on_sent)
         # a checkpoint's copy of θ (`weights`) walks the same tensors without fingerprints: only what
@@ -49,18 +51,19 @@ class WeightSync:
         self.cfg, self.rollout, self.source = cfg, rollout, source
         if self.backend == transfer.BACKEND:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
-            self.engine = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
-        elif self.backend in ("nccl", "gloo"):  # gloo: the NCCL protocol over TCP (pace/rollout/gloo.py)
-            self.engine = self._connect(rank)
+            self.sender = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
+        elif self.backend in ("nccl", "gloo"):  # gloo: the NCCL protocol over TCP (pace/weights/gloo.py)
+            self.sender = self._connect(rank)
         elif self.backend == "ipc":  # colocated: the engine maps the trainer's CUDA tensors (no copy)
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
-            self.engine = IPCTrainerWeightTransferEngine.trainer_init(
+            self.sender = IPCTrainerWeightTransferEngine.trainer_init(
                 IPCTrainerInitInfo(rank=rank), client=None if rollout is None else BlockingClient(rollout), source=source)
         else:
             raise ValueError(f"rollout.weight_transfer: unknown backend {self.backend!r}")
-        self._update, self._version, self._sending = None, None, None
-        self._written: tuple[int, dict] | None = None  # (version, slot info) of the last θ written
+        self._update: WeightUpdate | None = None  # shm, rank 0: θ_version written, to post
+        self._version, self._sending = None, None
+        self._written: WeightUpdate | None = None  # shm, rank 0: the last θ written (its slot, until rewritten)
 
     def _connect(self, rank: int):
         """The trainer side of the nccl/gloo group of trainer rank 0 and every engine worker (the
@@ -69,8 +72,8 @@ class WeightSync:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as Info
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine as Engine
         else:
-            from pace.rollout.gloo import GlooTrainerInitInfo as Info
-            from pace.rollout.gloo import GlooTrainerWeightTransferEngine as Engine
+            from pace.weights.gloo import GlooTrainerInitInfo as Info
+            from pace.weights.gloo import GlooTrainerWeightTransferEngine as Engine
         fleet = None if self.rollout is None else self.rollout.engine
         if hasattr(fleet, "transfer_workers"):  # servers: the ranks of the live ones
             workers = fleet.transfer_workers()
@@ -86,20 +89,20 @@ class WeightSync:
         """shm: every rank materialises θ, rank 0 writes it into a slot (the engines go on with
         the previous weights). nccl: nothing yet (the broadcast needs the engines paused)."""
         self._sending = version  # what the source's passes send from here on (its fingerprints' version)
-        self._update = self.engine.write() if self.backend == transfer.BACKEND else None
+        self._update = self.sender.write(version) if self.backend == transfer.BACKEND else None
         self._version = version
         if self._update is not None:
-            self._written = (version, self._update)
+            self._written = self._update
 
     def weights(self, version: int) -> list | None:
         """θ_version (the trainer's current weights) as host (name, tensor) pairs in the engine dtype
         on rank 0, None elsewhere. Every rank calls it. shm: a copy of the slot if it holds
         θ_version (else None); nccl: streamed from the parameters (all-gathered one at a time)."""
         if self.backend == transfer.BACKEND:
-            if self._written is None or self._written[0] != version or not self.acc.is_main_process:
+            if self._written is None or self._written.version != version or not self.acc.is_main_process:
                 return None
-            with self._written[1]["lock"]:
-                return transfer.read_slot(self._written[1]["info"])
+            with self._written.lock:
+                return transfer.read_slot(self._written.info)
         main, out = self.acc.is_main_process, []
         for name, t in self.copies:  # every rank iterates: each parameter is a collective
             if main:  # only rank 0 keeps a host copy (16 GB for an 8B model)
@@ -116,23 +119,23 @@ class WeightSync:
             raise RuntimeError(f"publish({version}) after prepare({self._version})")
         if self.backend == transfer.BACKEND:
             if self._update is not None:
-                self.engine.client.post_update(version, self._update)
+                self.sender.client.post_update(self._update)
         else:
-            if self.engine.is_sender:
+            if self.sender.is_sender:
                 self._regroup()
-                self.engine.client.version = version
-                self.engine.client.start_weight_update()  # may wait for a validation; send_weights' call is then a no-op
+                # may wait for a validation; send_weights' start_weight_update is then a no-op
+                self.sender.client.start(WeightUpdate(version))
                 self._regroup()  # a server lost while the update started
             self.barrier()
             fleet = getattr(self.rollout, "engine", None)
             known = set() if not hasattr(fleet, "alive") else set(fleet.alive)
             try:
-                self.engine.send_weights()
+                self.sender.send_weights()
             except Exception as exc:
                 failed = fleet.wait_failed(known) if hasattr(fleet, "wait_failed") else None
                 if failed is None:
                     raise
-                self.engine.shutdown()  # the group's connections close: the live engines' receive fails, not waits
+                self.sender.shutdown()  # the group's connections close: the live engines' receive fails, not waits
                 from pace.errors import EngineFailed
 
                 raise EngineFailed(f"rollout engine {failed.index} ({failed.url}) failed during the weight broadcast "
@@ -142,24 +145,24 @@ class WeightSync:
     def _regroup(self) -> None:
         """Server mode, rank 0: after a server failed, the group is formed again by the live ones."""
         if getattr(getattr(self.rollout, "engine", None), "needs_regroup", False):
-            self.engine.shutdown()
-            self.engine = self._connect(0)
+            self.sender.shutdown()
+            self.sender = self._connect(0)
 
     def close(self) -> None:
-        self.engine.shutdown()
+        self.sender.shutdown()
 
 
 class BlockingClient:
     """vLLM's four-call client over the rollout thread: each call runs there, between engine
     steps, and returns when it has (for the NCCL engine, which needs `update_weights` to run
-    while the trainer broadcasts)."""
+    while the trainer broadcasts). An update is started with its `WeightUpdate` (`start`), whose
+    version labels the engines when vLLM's trainer engine finishes it."""
 
     POLL_S = 1.0  # how often a waiting call checks that the rollout thread is still there
 
     def __init__(self, rollout):
         self.rollout = rollout
-        self.version: int | None = None
-        self.started = False  # between start_weight_update and finish_weight_update
+        self.update: WeightUpdate | None = None  # the update in progress: from `start` to finish_weight_update
 
     def _run(self, fn):
         if self.rollout.ident is None:  # the thread has not started: the engines are idle, call here
@@ -176,19 +179,30 @@ class BlockingClient:
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._run(lambda: self.rollout.init_weight_transfer_engine(init_info))
 
-    def start_weight_update(self) -> None:
-        """Once per update: WeightSync.publish starts it before the trainer ranks' barrier, and the
-        trainer engine's own call (in send_weights) then finds it started."""
-        if not self.started:
+    def start(self, update: WeightUpdate) -> None:
+        """Once per update, by WeightSync.publish before the trainer ranks' barrier: the engines
+        pause for ``update`` (after a validation in progress); the trainer engine's own
+        start_weight_update (in send_weights) then finds it started."""
+        if self.update is None:
             self._run(self.rollout.begin_update)
-            self.started = True
+        self.update = update
+
+    def start_weight_update(self) -> None:
+        """vLLM's trainer engine's call (in send_weights): the update was started by `start`."""
+        if self.update is None:
+            raise RuntimeError("BlockingClient: start_weight_update before start(update): no version to label "
+                               "the engines with")
 
     def update_weights(self, update_info) -> None:
         self._run(lambda: self.rollout.engine.load(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._run(lambda: self.rollout.end_update(self.version))
-        self.started = False
+        """``weight_version``: vLLM's trainer engines pass none; the started update's version is used."""
+        update = self.update
+        if update is None:
+            raise RuntimeError("BlockingClient: finish_weight_update without an update started")
+        self._run(lambda: self.rollout.end_update(update.version))
+        self.update = None
 
 
 def _shared_token(acc) -> str:

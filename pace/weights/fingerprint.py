@@ -2,7 +2,7 @@
 ones the trainer sent for the version the engine is labelled with, and that loader must be the
 served model's: fingerprints of θ_v taken on both sides, in checkpoint coordinates, compared exactly.
 
-Why not the on-policy guard (pace/mismatch.py) alone: in bf16 its bound is 0.2 nats a token (the
+Why not the on-policy guard (pace/weights/mismatch.py) alone: in bf16 its bound is 0.2 nats a token (the
 two sides' rounding gives ~5e-3), while an engine one version behind at lr 1e-6 differs by ~1e-3.
 A sync that changes nothing — a version label moved without weights, weights loaded into a model
 that does not serve, an update applied one version late — never trips it on a GPU. Why not a fixed
@@ -17,7 +17,7 @@ the engine dtype, gathered whole; named as the checkpoint names it), on trainer 
 only the pass that sends (a checkpoint's copy of θ is not fingerprinted).
 The engines' side: each tensor the serving model's `load_weights` receives during the update, on
 the engine worker's device, in every worker (each receives whole tensors and shards them itself);
-pace/rollout/reload.py takes them in the same wrapper whose names its audit reads, which every
+pace/weights/reload.py takes them in the same wrapper whose names its audit reads, which every
 backend's receive path goes through (shm, gloo, nccl, ipc, in-process or not, HTTP servers). The
 worker also says whether that model is the one its runner serves. What is checked is therefore
 receipt: an engine given the right tensors that then does not apply them is not seen here.
@@ -52,7 +52,7 @@ import threading
 
 import torch
 
-from pace.mismatch import SyncMismatch
+from pace.weights.mismatch import SyncMismatch
 
 P = 32749  # prime below 2^15: |int16 · w| < 2^30 (int32), a chunk's sum < 2^52, a tensor's < 2^63
 A = 40503

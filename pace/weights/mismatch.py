@@ -11,7 +11,7 @@ measured steps above it in a row stop the run (`SyncMismatch`, one line, after a
 The bound (`trainer.max_sync_mismatch`; null: by `model.dtype`): 1e-5 in float32 (25× the
 measured floor; the stale head crossed it at its first step) and 0.2 in bfloat16/float16, where
 the two sides' rounding alone gives ~5e-3 a token on dense models and more on MoE ones. That bound
-cannot see an engine a version behind (~1e-3 at lr 1e-6): pace/fingerprint.py checks the weights
+cannot see an engine a version behind (~1e-3 at lr 1e-6): pace/weights/fingerprint.py checks the weights
 themselves after every sync, exactly, in any dtype.
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ What receives nothing and is harmless: a layer with buffers and no parameters â€
 `k_scale`/`v_scale` (vLLM re-processes attention layers at finalize): the trainer's parameters never
 include them, so there is nothing of Î¸ to receive.
 
-`ExactReload` is a mixin for a worker-side `WeightTransferEngine`; pace/rollout/transfer.py
+`ExactReload` is a mixin for a worker-side `WeightTransferEngine`; pace/weights/transfer.py
 registers checked variants of vLLM's nccl and ipc engines and its own shm engine with it.
 """
 from __future__ import annotations
@@ -146,10 +146,10 @@ class ExactReload:
 
     `finish_weight_update` completes vLLM's lifecycle in any case (so every engine and worker
     closes its update session) and keeps what went wrong in `failure`; the client fails the sync
-    from `take_failure()` (pace/rollout/transfer.py's `WorkerExtension`, pace/rollout/fleet.py).
+    from `take_failure()` (pace/weights/transfer.py's `WorkerExtension`, pace/rollout/fleet.py).
 
     With `fingerprinting` on, the tensors `load_weights` receives are fingerprinted as they pass
-    (pace/fingerprint.py: queued on the device, read once when the update finishes, so a receive on
+    (pace/weights/fingerprint.py: queued on the device, read once when the update finishes, so a receive on
     a side stream is not held per tensor); `fingerprint` holds those of the last finished update,
     None before one."""
 
@@ -169,7 +169,7 @@ class ExactReload:
         model.__dict__.pop("load_weights", None)  # a wrapper left by an update that never finished
         load, self._loaded = model.load_weights, set()
         if self.fingerprinting:
-            from pace.fingerprint import Fingerprints
+            from pace.weights.fingerprint import Fingerprints
 
             self._prints = Fingerprints()
 
