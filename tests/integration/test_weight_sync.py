@@ -84,12 +84,13 @@ def _sync(llm, model, version: int):
 
     from pace.config import Config
     from pace.pool import Pool, build_policy
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutWorker
     from pace.sync import WeightSync
     from pace.tasks.base import Prompt, PromptSampler
 
     cfg = OmegaConf.structured(Config)
-    worker = RolloutWorker(llm, llm.get_tokenizer(), PromptSampler([Prompt("p", "1+1=?\n", "2")]),
+    worker = RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), PromptSampler([Prompt("p", "1+1=?\n", "2")]),
                            Pool(build_policy(cfg), informative=lambda g: True), None, cfg)
     sync = WeightSync(cfg, SimpleNamespace(acc=Accelerator(cpu=True), model=model), worker, "cpu")
     assert sync.backend == "pace_shm"
