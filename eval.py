@@ -27,7 +27,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pace import selection
-from pace.config import register, validate
+from pace.config import register
+from pace.config_checks import validate
 from pace.errors import ConfigError
 from pace.placement import Placement
 
@@ -38,9 +39,8 @@ GRADE_ANSWERS = 64  # answers per grading job (whole problems; at least one prob
 
 @hydra.main(config_path="conf", config_name="evaluate", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from train import UserError, resolve_device, resolve_model
-
-    from pace.errors import DataError
+    from pace.errors import DataError, UserError
+    from pace.launch import resolve_device, resolve_model
 
     scored = selected = None
     try:

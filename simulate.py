@@ -38,9 +38,9 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, run_dir: str | Path | None = None, on_step=None) -> dict:
     """Simulate ``cfg`` into ``run_dir`` (default: Hydra's output directory); returns the summary.
     ``on_step(step, metrics, decided groups)``, if given, sees every step after it is logged."""
+    from pace.launch import default_group
     from pace.sim.output import SimLogger
     from pace.sim.run import Simulation
-    from train import default_group
 
     validate_sim(cfg)
     if run_dir is None:

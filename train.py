@@ -24,167 +24,21 @@ from pace import checkpoint as ckpt
 from pace import rundir
 from pace.algo.memory_check import check_memory
 from pace.algo.precision import mixed_precision
-from pace.config import register, validate
+from pace.config import register
+from pace.config_checks import check_processes, validate
 from pace.control import Control
-from pace.errors import ConfigError, DataError, RolloutError
+from pace.errors import ConfigError, DataError, RolloutError, UserError
+from pace.launch import default_group, resolve_device, resolve_model
+from pace.loop import step_metrics, wait_for_batch
 from pace.memory import release_free_heap, rss_mib
 from pace.mismatch import MismatchGuard, SyncMismatch
 from pace.placement import Placement
-from pace.records import Fate
 from pace.rollout import stopping
-from pace.signals import deafen_children
+from pace.signals import StopSignal, deafen_children
 from pace.tasks import loading
 
 register()
 rundir.register()  # ${pace.rank0_dir:…} in conf/config.yaml's hydra section
-
-
-class UserError(Exception):
-    """Bad input: printed as one line, exit status 2."""
-
-
-def resolve_device(cfg) -> str:
-    import torch
-
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UserError(
-            f"device=cuda (set by +exp={cfg.exp_name}) but no CUDA GPU is available here; "
-            "run a *_tiny preset on CPU, or this preset on a GPU machine"
-        )
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.device
-
-
-def resolve_model(cfg, progress: bool) -> str:
-    """A local directory or a hub id; `model.path: null` builds (or reuses) the tiny model."""
-    if cfg.model.path is None:
-        from pace.tiny import build_tiny
-
-        return str(build_tiny(OmegaConf.to_object(cfg.model.tiny), cfg.model.cache_dir, progress=progress))
-    path = cfg.model.path
-    if Path(path).exists():
-        return path
-    if path.startswith((".", "/", "~")):
-        raise UserError(f"model.path: directory not found: {path}")
-    try:  # a hub id: resolve it now so a typo or an offline machine fails here, in one line
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
-    except Exception as exc:  # noqa: BLE001
-        raise UserError(f"model.path: {path!r} is not a local directory and cannot be fetched from the hub ({type(exc).__name__})") from exc
-
-
-def default_group(cfg) -> str | None:
-    """The jobs of one Hydra multirun share a wandb group (`logger.group` overrides)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized():  # called outside a Hydra app (scripts)
-        return None
-    hc = HydraConfig.get()
-    if cfg.logger.group is None and hc.mode == RunMode.MULTIRUN:
-        return f"{cfg.exp_name}-{Path(hc.sweep.dir).name}"
-    return None
-
-
-def step_metrics(batch, pool, decided, t_wait: float, tools: bool = False) -> dict:
-    """Staleness of the consumed groups, pool state, rollout throughput (DESIGN §6 names).
-
-    `train/*` describe the consumed batch, which dynamic sampling restricts to mixed groups;
-    `rollout/{acc,reward}_mean` describe every group completed since the last step, filtered or
-    not: the unbiased view of how good the current policy is.
-    """
-    ks = [g.staleness(batch.step) for g in batch.groups]
-    trajs = batch.trajectories
-    n = len(ks)
-    arrived = pool.drain_arrived()
-    produced = [t for g in arrived for t in g.trajectories]
-    rollout = {"rollout/groups_completed": len(arrived)}
-    if all("s_eff" in g.scores for g in batch.groups):  # PACE scored them
-        # S_eff = K_wait + u^γ K_gen of the consumed groups (DESIGN §2), as the policy scored them
-        rollout["staleness/effective_mean"] = sum(g.scores["s_eff"] for g in batch.groups) / n
-    if produced:
-        rollout["rollout/acc_mean"] = sum(t.correct for t in produced) / len(produced)
-        rollout["rollout/reward_mean"] = sum(t.reward for t in produced) / len(produced)
-        if tools:
-            from pace.tools.runner import usage_metrics
-
-            rollout.update(usage_metrics(produced))
-    return {
-        **rollout,
-        "train/reward_mean": sum(t.reward for t in trajs) / len(trajs),
-        "train/acc_mean": sum(t.correct for t in trajs) / len(trajs),
-        "train/response_len": sum(len(t) for t in trajs) / len(trajs),
-        # model-generated tokens (tool output excluded): what the loss averages over
-        "train/action_len": sum(t.num_actions for t in trajs) / len(trajs),
-        "staleness/k_mean": sum(k[0] for k in ks) / n,
-        "staleness/k_gen_mean": sum(k[1] for k in ks) / n,
-        "staleness/k_wait_mean": sum(k[2] for k in ks) / n,
-        "staleness/k_max": max(k[0] for k in ks),
-        "pool/occupancy": pool.occupancy,
-        "pool/rejected": sum(g.fate == Fate.REJECTED for g in decided),
-        "pool/filtered": sum(g.fate == Fate.FILTERED for g in decided),
-        **{f"pool/{k}": v for k, v in pool.last_metrics.items()},
-        "rollout/inflight": pool.inflight,
-        "version": batch.step,
-        "time/wait_data": t_wait,
-    }
-
-
-def check_shares(cfg, world: int) -> None:
-    """Every rank needs at least one trajectory of every mini-batch (each joins every gradient
-    all-reduce): the smallest mini-batch (B split into `trainer.mini_batches` as the trainer
-    splits it) must hold at least one trajectory per process."""
-    import math
-
-    b, n_mini, g = cfg.data.batch_prompts, cfg.trainer.mini_batches, cfg.data.group_size
-    smallest = (b - (n_mini - 1) * math.ceil(b / n_mini)) * g
-    if smallest < world:
-        raise UserError(f"data.batch_prompts={b} in trainer.mini_batches={n_mini} leaves {max(smallest, 0)} trajectories "
-                        f"in the last mini-batch, fewer than the {world} trainer processes: lower trainer.mini_batches")
-
-
-def wait_for_batch(pool, rollout, step: int, stop: StopSignal):
-    """Block until the pool policy forms batch `step`; re-raise a rollout failure within 0.5 s.
-    None once a stop is requested (no batch is formed then)."""
-    while not stop.requested:
-        rollout.check()  # before forming: a batch once formed is trained on (or counted as dropped)
-        batch = pool.form_batch(step, timeout=0.5)
-        if batch is not None:
-            return batch
-    return None
-
-
-STOP_WAIT_S = 10.0  # the longest a stop waits for the rollout thread before it checkpoints without it
-
-
-class StopSignal:
-    """SIGTERM (preemption, `kill`) or SIGINT (Ctrl-C): the first lets the step in progress finish,
-    then the run checkpoints and exits with 128 + the signal number; a second, `REPEAT_S` or more
-    later, stops at once, without a checkpoint. Sooner it is the same stop arriving twice: a cluster
-    signals every process and torchrun forwards what it got to each rank's process group."""
-
-    REPEAT_S = 3.0
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._at = 0.0
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            if time.monotonic() - self._at < self.REPEAT_S:
-                return
-            raise KeyboardInterrupt
-        self.signum, self._at = signum, time.monotonic()
-        print(f"\n{signal.Signals(signum).name}: stopping after the step in progress, then checkpointing "
-              "(send it again to stop at once, without a checkpoint)", file=sys.stderr, flush=True)
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
@@ -235,11 +89,8 @@ def run(cfg: DictConfig) -> None:
                               mixed_precision=mixed_precision(device, cfg.model.dtype, os.environ.get("ACCELERATE_MIXED_PRECISION")))
     control = Control(accelerator, cfg.trainer.control_timeout_s)  # waits on rank 0's long work
     world = accelerator.num_processes
-    check_shares(cfg, world)
     placement = Placement.of(cfg.rollout, device, world)  # the engines' process, backend, GPUs: once
-    if cfg.rollout.deterministic and placement.mode != "inproc":
-        raise UserError(f"rollout.deterministic needs the in-process engine, which runs with one trainer process on CPU "
-                        f"(here: {world} processes on {device})")
+    check_processes(cfg, placement)  # every rank gets a share of every mini-batch; what needs the in-process engine
     set_seed(cfg.seed)
     main_rank = accelerator.is_main_process
     if checkpoint is not None:
@@ -268,10 +119,8 @@ def run(cfg: DictConfig) -> None:
     # trainer's first collective (model preparation) under the process group's timeout
     trainer = DAPOTrainer(model_path, cfg, accelerator)
     config = OmegaConf.to_container(cfg, resolve=True)
-    checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints, model_path)
-    checkpointer.barrier = control.barrier  # rank 0 writes the pool and θ's model directory meanwhile
 
-    rollout = pool = logger = fleet = grader = best = validations = parts = sync = None
+    rollout = pool = logger = fleet = grader = best = val_rows = parts = sync = None
     if main_rank:
         from pace.algo.advantages import is_informative
         from pace.grading import Grader
@@ -291,18 +140,17 @@ def run(cfg: DictConfig) -> None:
                         max_failed_in_row=cfg.reward.max_failed_in_row)
         fleet = engine_lib.build_fleet(model_path, cfg, placement, tokenizer=tokenizer, log_dir=run_dir)
         if val_sets is not None:
-            from pace.validation import BestCheckpoint, Validations
+            from pace.validation import BestCheckpoint, ValRows
 
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
         rollout = RolloutWorker(fleet, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:
             from pace.selection import val_k
 
-            validations = Validations(rollout, best, val_k(cfg), cfg.trainer.steps)
-            checkpointer.on_saved = best.saved  # a checkpoint records the best: what its resume needs
+            val_rows = ValRows(rollout, best, val_k(cfg), cfg.trainer.steps)
         state = ckpt.load_state(checkpoint) if checkpoint is not None else None
         logger = RunLogger(cfg, run_dir, config, group=default_group(cfg), resume=state and state["logger"])
-        parts = ckpt.RunParts(pool, sampler, rollout, grader, logger, validations)
+        parts = ckpt.RunParts(pool, sampler, rollout, grader, logger, val_rows)
         if state is not None:
             kept, dropped = ckpt.restore(state, parts)
             print(f"resuming {run_dir} from {checkpoint.name}: {pool.occupancy} pooled groups; of those in flight "
@@ -313,13 +161,16 @@ def run(cfg: DictConfig) -> None:
 
     control.barrier()  # rank 0 built the engines meanwhile: the others wait here, not in a collective below
     sync = WeightSync(cfg, trainer, rollout, device, barrier=control.barrier)  # every rank: the trainer side of vLLM weight transfer
-    checkpointer.weights = sync.weights  # a checkpoint keeps θ_version as a model directory
+    checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints, model_path,
+                                     weights=sync.weights,  # a checkpoint keeps θ_version as a model directory
+                                     barrier=control.barrier,  # rank 0 writes the pool and θ's model directory meanwhile
+                                     on_saved=best.saved if best is not None else None)  # the best: what a resume needs
 
     def publish(version: int) -> None:
         """Every rank: the engines load θ_version, and a copy of it is kept for `<run>/best` if the
         engines validate it and no host copy reaches the validation (nccl, gloo, ipc)."""
         validation.publish(sync, version, best, rollout, control.decide, keep=cfg.eval.every > 0,
-                           within=cfg.eval.best_within)
+                           best_within=cfg.eval.best_within)
 
     if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
         trainer.load(checkpoint)
@@ -365,8 +216,8 @@ def run(cfg: DictConfig) -> None:
             metrics["time/sync"] = time.perf_counter() - t_sync
 
             if main_rank:
-                if validations is not None:
-                    metrics.update(validations.next_row())
+                if val_rows is not None:
+                    metrics.update(val_rows.next_row())
                 decided = pool.drain_decided()
                 metrics.update(step_metrics(batch_done, pool, decided, t_wait, tools=cfg.rollout.max_tool_calls > 0))
                 metrics["time/trim"] = release_free_heap()  # pace/memory.py: flat host memory
@@ -391,15 +242,15 @@ def run(cfg: DictConfig) -> None:
             if due:  # after the checkpoint: a sync run has nothing in flight in it
                 publish(trainer.version)
         else:
-            if validations is not None:  # the final weights' validation, logged after the last step
-                validations.finish(logger, cfg.trainer.steps, stop=lambda: stop.requested)
+            if val_rows is not None:  # the final weights' validation, logged after the last step
+                val_rows.finish(logger, cfg.trainer.steps, stop=lambda: stop.requested)
             if cfg.trainer.save_every:
                 checkpointer.save("end of training", parts)
         if stop.requested or failure is not None:
             status = "failed" if failure is not None else "interrupted"
             why = (signal.Signals(stop.signum).name if failure is None else failure.why
                    if isinstance(failure, SyncMismatch) else f"rollout failure: {type(failure.__cause__).__name__}")
-            saved = stop_and_checkpoint(checkpointer, parts, trainer.version, why)
+            saved = checkpointer.stop_and_save(parts, why)
         if failure is not None:
             raise failure
     except KeyboardInterrupt:  # a second signal: stop now, no checkpoint
@@ -408,12 +259,12 @@ def run(cfg: DictConfig) -> None:
     except BaseException as exc:
         status = "failed"
         if saved is None and failure is None:  # the trainer (or the loop) failed
-            saved = checkpoint_after_failure(checkpointer, parts, trainer, batch, exc, accelerator)
+            saved = checkpointer.save_after_failure(parts, batch, exc)
         raise
     finally:
         bar.close()
         if main_rank:
-            rollout.stop(timeout=STOP_WAIT_S if stop.requested or status == "failed" else 30.0)
+            rollout.stop(timeout=ckpt.STOP_WAIT_S if stop.requested or status == "failed" else 30.0)
             grader.close()
             if saved is None:  # nothing went into a checkpoint: log what is left as pooled/in flight
                 logger.log_groups(pool.drain_decided(), step=-1)
@@ -441,40 +292,6 @@ def run(cfg: DictConfig) -> None:
         end_processes(code, barrier=control.barrier if status == "finished" else None)
     if code:
         sys.exit(code)
-
-
-def stop_and_checkpoint(checkpointer, parts, version: int, why: str):
-    """Stop the rollout and checkpoint θ_version with what is in flight (`rollout.resume_inflight`:
-    kept as it stands, continued on `resume=`; otherwise dropped, prompts back to the sampler).
-    Every rank calls it."""
-    if parts is not None:
-        stopped = parts.rollout.stop(timeout=STOP_WAIT_S)  # a launcher's grace period is short (torchrun: 30 s)
-        if not stopped:
-            print(f"the rollout thread did not stop within {STOP_WAIT_S:.0f} s (an engine call that does not return): "
-                  "checkpointing without it; its groups in flight are dropped", file=sys.stderr, flush=True)
-        if not (stopped and parts.rollout.cfg.rollout.resume_inflight):
-            dropped = parts.pool.drop_inflight(version, reason=f"stopped: {why}")
-            parts.sampler.give_back([g.prompt_id for g in dropped])
-        parts.logger.log_groups(parts.pool.drain_decided(), step=-1)
-    return checkpointer.save(why, parts)
-
-
-def checkpoint_after_failure(checkpointer, parts, trainer, batch, exc, accelerator):
-    """A failure in the training step or the loop: checkpoint if the state is consistent (one
-    process, and no update of the failed step applied); the failed step's batch is not trained
-    on, so its groups become dropped_shutdown and their prompts go back to the sampler."""
-    if accelerator.num_processes > 1 or trainer.mid_step:
-        why = "several processes" if accelerator.num_processes > 1 else "the weights are between two versions"
-        print(f"no checkpoint after the failure ({why}); the last one: {checkpointer.last}", file=sys.stderr)
-        return None
-    try:
-        if batch is not None and parts is not None:
-            parts.pool.abandon(batch, reason=f"training step failed: {type(exc).__name__}")
-            parts.sampler.give_back([g.prompt_id for g in batch.groups])
-        return stop_and_checkpoint(checkpointer, parts, trainer.version, f"failure: {type(exc).__name__}")
-    except Exception as save_exc:  # noqa: BLE001 - the original failure is what must surface
-        print(f"could not write a checkpoint after the failure: {save_exc!r}", file=sys.stderr)
-        return None
 
 
 if __name__ == "__main__":

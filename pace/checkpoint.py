@@ -46,6 +46,7 @@ from pace.errors import ConfigError
 
 STATE_FILE = "run_state.pkl"
 FORMAT = 1
+STOP_WAIT_S = 10.0  # the longest a stop waits for the rollout thread before it checkpoints without it
 # Keys a resume may change (`python train.py resume=<dir> trainer.steps=200`); the rest of the
 # config is the checkpoint's, so a resumed run is the same experiment.
 RESUMABLE = (
@@ -152,7 +153,7 @@ class RunParts:
     rollout: object
     grader: object
     logger: object
-    validations: object | None = None  # pace.validation.Validations when eval.every > 0
+    val_rows: object | None = None  # pace.validation.ValRows when eval.every > 0
 
 
 def capture(parts: RunParts) -> bytes:
@@ -168,7 +169,7 @@ def capture(parts: RunParts) -> bytes:
             "rollout": rollout,
             "grader": parts.grader.state_dict(),
             "logger": parts.logger.state_dict(),
-            "validations": None if parts.validations is None else parts.validations.state_dict(),
+            "validations": None if parts.val_rows is None else parts.val_rows.state_dict(),  # the key checkpoints carry
         }
         return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -188,8 +189,8 @@ def restore(state: dict, parts: RunParts) -> tuple[list, list]:
     kept = [item for item in state["rollout"].get("inflight", []) if _group_of(item).id in ids]
     parts.rollout.load_inflight(kept, state["rollout"].get("version", 0))
     parts.grader.load_state_dict(state["grader"])
-    if parts.validations is not None and state["validations"] is not None:
-        parts.validations.load_state_dict(state["validations"])
+    if parts.val_rows is not None and state["validations"] is not None:
+        parts.val_rows.load_state_dict(state["validations"])
     return kept, dropped
 
 
@@ -214,21 +215,25 @@ def _quiet_accelerate() -> None:
 class Checkpointer:
     """Writes checkpoints of one run (every rank calls `save`: the trainer state is collective)."""
 
-    def __init__(self, run_dir: Path, accelerator, trainer, config: dict, keep: int, model_path: str | None = None):
+    def __init__(self, run_dir: Path, accelerator, trainer, config: dict, keep: int, model_path: str | None = None,
+                 weights: Callable[[int], list | None] | None = None, barrier: Callable[[], None] | None = None,
+                 on_saved: Callable[[int], None] | None = None):
+        """``weights(version)``: θ_version as (name, tensor) on rank 0, if at hand (`WeightSync.weights`;
+        every rank calls it), written as the checkpoint's `model/`. ``barrier``: the waits on rank
+        0's writing (the pool, θ as a model directory); train.py passes its control group's
+        (pace/control.py), outside the trainer's collective timeout. ``on_saved(version)``, rank 0:
+        who hears of each checkpoint saved (the best checkpoint: what a resume needs of it)."""
         _quiet_accelerate()
         self.model_path = model_path
-        self.weights = lambda version: None  # θ_version as (name, tensor) on rank 0, if at hand (WeightSync.weights)
+        self.weights = weights or (lambda version: None)
         self.run_dir = Path(run_dir)
         self.acc = accelerator
-        # waits on rank 0's writing (the pool, θ as a model directory): train.py sets its control
-        # group's barrier (pace/control.py), outside the trainer's collective timeout
-        self.barrier = accelerator.wait_for_everyone
+        self.barrier = barrier or accelerator.wait_for_everyone
         self.trainer = trainer
         self.config = config
         self.keep = keep
         self.last: Path | None = None
-        # rank 0: who hears of each checkpoint saved (the best checkpoint: what a resume needs of it)
-        self.on_saved: Callable[[int], None] = lambda version: None
+        self.on_saved = on_saved or (lambda version: None)
 
     def save(self, reason: str, parts: RunParts | None, meta: dict | None = None) -> Path:
         """Write θ_version's checkpoint. ``parts`` on rank 0 (None elsewhere)."""
@@ -264,3 +269,35 @@ class Checkpointer:
         if main:
             print(f"checkpoint ({reason}): {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return path
+
+    def stop_and_save(self, parts: RunParts | None, why: str) -> Path:
+        """Stop the rollout and checkpoint θ_version with what is in flight (`rollout.resume_inflight`:
+        kept as it stands, continued on `resume=`; otherwise dropped, prompts back to the sampler).
+        Every rank calls it."""
+        if parts is not None:
+            stopped = parts.rollout.stop(timeout=STOP_WAIT_S)  # a launcher's grace period is short (torchrun: 30 s)
+            if not stopped:
+                print(f"the rollout thread did not stop within {STOP_WAIT_S:.0f} s (an engine call that does not return): "
+                      "checkpointing without it; its groups in flight are dropped", file=sys.stderr, flush=True)
+            if not (stopped and parts.rollout.cfg.rollout.resume_inflight):
+                dropped = parts.pool.drop_inflight(self.trainer.version, reason=f"stopped: {why}")
+                parts.sampler.give_back([g.prompt_id for g in dropped])
+            parts.logger.log_groups(parts.pool.drain_decided(), step=-1)
+        return self.save(why, parts)
+
+    def save_after_failure(self, parts: RunParts | None, batch, exc: BaseException) -> Path | None:
+        """A failure in the training step or the loop: checkpoint if the state is consistent (one
+        process, and no update of the failed step applied); the failed step's batch is not trained
+        on, so its groups become dropped_shutdown and their prompts go back to the sampler."""
+        if self.acc.num_processes > 1 or self.trainer.mid_step:
+            why = "several processes" if self.acc.num_processes > 1 else "the weights are between two versions"
+            print(f"no checkpoint after the failure ({why}); the last one: {self.last}", file=sys.stderr)
+            return None
+        try:
+            if batch is not None and parts is not None:
+                parts.pool.abandon(batch, reason=f"training step failed: {type(exc).__name__}")
+                parts.sampler.give_back([g.prompt_id for g in batch.groups])
+            return self.stop_and_save(parts, f"failure: {type(exc).__name__}")
+        except Exception as save_exc:  # noqa: BLE001 - the original failure is what must surface
+            print(f"could not write a checkpoint after the failure: {save_exc!r}", file=sys.stderr)
+            return None

@@ -18,3 +18,8 @@ class RolloutError(RuntimeError):
 
 class EngineFailed(RuntimeError):
     """A rollout engine failed and the run does not go on without it (`rollout.on_engine_failure`)."""
+
+
+class UserError(Exception):
+    """Bad input that is not one config key's value (no GPU for a GPU preset, a model that cannot be
+    found): printed as one line, exit status 2."""

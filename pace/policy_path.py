@@ -1,6 +1,6 @@
 """A pool policy named by import path (`pool.name=my_package.module:MyPolicy`), checked as config:
 importable, the policy protocol's methods, a constructor that takes `pool.args`. Nothing is
-constructed and nothing of `pace.pool` is imported, so `pace.config.validate` can check it at start
+constructed and nothing of `pace.pool` is imported, so `pace.config_checks.validate` can check it at start
 (the protocol and the building: pace/pool/plugins.py).
 """
 from __future__ import annotations

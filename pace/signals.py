@@ -1,4 +1,5 @@
-"""Child processes that leave the run's stop signals to the run.
+"""The run's stop signals: the run's own handler (`StopSignal`), and child processes that leave
+them to the run.
 
 A preemption signals every process: torchrun sends SIGTERM to each rank's process group (the rank
 and every process it started), Slurm to every process of the job step. vLLM's engine core and
@@ -13,13 +14,15 @@ terminate; pace/rollout/fleet.py). CPython resets the signal mask of every child
 done in the child, as early as it runs Python: forked children by an `os.register_at_fork` hook,
 spawned ones (multiprocessing's spawn and forkserver, any Python subprocess) by the
 `sitecustomize` of pace/_deaf, put first on their PYTHONPATH; both act only under the environment
-flag the run sets. The run's own process keeps its handlers (train.StopSignal). A child of a run
+flag the run sets. The run's own process keeps its handlers (`StopSignal`). A child of a run
 that was itself killed is ended with `kill -9`.
 """
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import time
 
 FLAG = "PACE_DEAF_CHILD"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -55,3 +58,31 @@ def deafen_this_process() -> None:
     except ValueError:  # not the main thread of a forked child: it runs no vLLM main loop
         return
     signal.signal = signal_
+
+
+class StopSignal:
+    """SIGTERM (preemption, `kill`) or SIGINT (Ctrl-C): the first lets the step in progress finish,
+    then the run checkpoints and exits with 128 + the signal number; a second, `REPEAT_S` or more
+    later, stops at once, without a checkpoint. Sooner it is the same stop arriving twice: a cluster
+    signals every process and torchrun forwards what it got to each rank's process group."""
+
+    REPEAT_S = 3.0
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._at = 0.0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            if time.monotonic() - self._at < self.REPEAT_S:
+                return
+            raise KeyboardInterrupt
+        self.signum, self._at = signum, time.monotonic()
+        print(f"\n{signal.Signals(signum).name}: stopping after the step in progress, then checkpointing "
+              "(send it again to stop at once, without a checkpoint)", file=sys.stderr, flush=True)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None

@@ -1,7 +1,8 @@
-"""In-training validation on the trainer side: metric names, and the best-average checkpoint.
+"""In-training validation on the trainer side: metric names, the logged rows (`ValRows`), and the
+best-average checkpoint.
 
-The rollout thread validates θ_v on the rollout engine (`RolloutWorker`, `eval.every`) and hands
-over a `Validation`; the train loop logs `val_metrics` (DESIGN §6: `val/<bench>/mean@k`,
+The rollout thread validates θ_v on the rollout engine (`RolloutWorker`, `eval.every`: the engines'
+side, pace/rollout/val_requests.py) and hands over a `ValResult`; the train loop logs `val_metrics` (DESIGN §6: `val/<bench>/mean@k`,
 `val/avg`) and offers it to `BestCheckpoint`, which keeps the weights with the highest average
 among versions ≤ `eval.best_within` in `<run>/best` (Table 1's selection: the best six-benchmark
 average within 300 updates; pace/selection.py), whatever the weight-transfer backend (`publish`).
@@ -35,7 +36,7 @@ def warn(message: str) -> None:
 
 class BestCheckpoint:
     """One copy of the best validated weights: `<run>/best/`, the validated version with the highest
-    `val/avg` among versions ≤ ``within`` (`eval.best_within`; None: the whole run), replaced when a
+    `val/avg` among versions ≤ ``best_within`` (`eval.best_within`; None: the whole run), replaced when a
     better one comes. Ties keep the earlier version. Version 0 is the model on disk: named, not copied.
 
     Where the weights come from, for every weight-transfer backend:
@@ -58,13 +59,13 @@ class BestCheckpoint:
     newer checkpoint records its successor (`saved`).
     """
 
-    def __init__(self, run_dir: Path, model_path: str, within: int | None):
+    def __init__(self, run_dir: Path, model_path: str, best_within: int | None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "best"
         self.kept = self.run_dir / "best.checkpointed"  # the best the newest checkpoint recorded, once replaced
         self.candidates = self.run_dir / "best-candidates"
         self.model_path = model_path
-        self.within = within
+        self.best_within = best_within
         self.best: dict | None = None  # {"version", "val/avg", "path"}
         self.history: list[dict] = []  # every validation: version and average
         self.checkpointed: int | None = None  # the best's version as the newest checkpoint recorded it
@@ -74,7 +75,7 @@ class BestCheckpoint:
         shutil.rmtree(self.candidates, ignore_errors=True)
 
     def in_window(self, version: int) -> bool:
-        return in_window(version, self.within)
+        return in_window(version, self.best_within)
 
     def wants(self, version: int) -> bool:
         """Whether θ_version, about to be validated, needs a candidate copy (train.py asks after
@@ -170,7 +171,7 @@ class BestCheckpoint:
         shutil.rmtree(self.kept, ignore_errors=True)
 
     def summary(self) -> dict:
-        return {"best": self.best, "best_within": self.within, "validations": self.history, "best_copies": self.copies,
+        return {"best": self.best, "best_within": self.best_within, "validations": self.history, "best_copies": self.copies,
                 "best_missed": self.missed}
 
     def state_dict(self) -> dict:
@@ -217,25 +218,25 @@ class BestCheckpoint:
         return v
 
 
-def in_window(version: int, within: int | None) -> bool:
+def in_window(version: int, best_within: int | None) -> bool:
     """Whether θ_version can be selected (`eval.best_within`; None: the whole run)."""
-    return within is None or version <= within
+    return best_within is None or version <= best_within
 
 
 def publish(sync, version: int, best: BestCheckpoint | None, rollout, decide=lambda flag: flag, keep: bool = True,
-            within: int | None = None) -> None:
+            best_within: int | None = None) -> None:
     """Every rank: the engines load θ_version (`WeightSync.publish`). With a blocking transfer (nccl,
     gloo, ipc: no host copy of θ reaches the validation), if the engines started validating θ_version
     and `best` wants it, every rank gathers θ_version (a collective) and rank 0 keeps it as a candidate.
     ``best``, ``rollout``: rank 0's (None elsewhere); ``decide``: rank 0's flag on every rank
-    (pace/control.py, a broadcast); ``keep``: validation is on (`eval.every` > 0) and ``within``:
+    (pace/control.py, a broadcast); ``keep``: validation is on (`eval.every` > 0) and ``best_within``:
     `eval.best_within`, on every rank, so versions that cannot be selected skip that broadcast."""
     from pace.rollout import transfer
 
     sync.publish(version)
     if not keep or sync.backend == transfer.BACKEND:  # shm: the validation carries θ (see BestCheckpoint)
         return
-    if version == 0 or not in_window(version, within):  # no rank would gather it
+    if version == 0 or not in_window(version, best_within):  # no rank would gather it
         return
     wanted = best is not None and rollout.val_started == version and best.wants(version)
     if decide(wanted):
@@ -244,10 +245,10 @@ def publish(sync, version: int, best: BestCheckpoint | None, rollout, decide=lam
             best.keep_candidate(version, weights)
 
 
-class Validations:
-    """Finished in-training validations on the trainer side: each is offered to the best
-    checkpoint on arrival and logged in the next step's row (one per row, so a wandb step never
-    holds two)."""
+class ValRows:
+    """Finished in-training validations (`ValResult`s) on the trainer side, as logged rows: each is
+    offered to the best checkpoint on arrival and logged in the next step's row (one per row, so a
+    wandb step never holds two)."""
 
     def __init__(self, rollout, best: BestCheckpoint, k: int, final_version: int):
         self.rollout, self.best, self.k = rollout, best, k
@@ -257,7 +258,7 @@ class Validations:
     def poll(self) -> None:
         from tqdm import tqdm
 
-        for result in self.rollout.drain_validations():
+        for result in self.rollout.drain_val_results():
             metrics = val_metrics(result, self.k)
             metrics["val/best"] = float(self.best.offer(result, metrics["val/avg"]))
             self._rows.append(metrics)

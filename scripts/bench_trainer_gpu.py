@@ -6,7 +6,7 @@
 
 Needs only torch (2.11+), transformers (5.17+) and accelerate: no vLLM, no Hydra, no model hub. The
 trainer is the one `train.py` builds for `+exp=pace_qwen3_4b` (`DAPOTrainer` with that preset's model,
-algo and trainer settings, read from conf/exp/ by scripts/gpu_smoke.py's reader), in a process of its
+algo and trainer settings, read from conf/exp/ by scripts/smoke_setup.py's reader), in a process of its
 own under `accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 1`: FSDP2 from
 the yaml, bf16 mixed precision with fp32 master weights and AdamW state, gradient checkpointing,
 log-probs in chunks of `trainer.logprob_chunk` (pace/algo/logprobs.py). On CPU (`--tiny`) the yaml's
@@ -41,10 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import gpu_smoke  # noqa: E402  (the presets' reader, the accelerator, the launcher)
+import gpu_smoke  # noqa: E402  (the launcher)
+import smoke_case  # noqa: E402  (the accelerator, a random batch, a timed step, the engine's view)
+import smoke_setup  # noqa: E402  (the shapes, the presets' reader, the models)
 
 PRESET = "pace_qwen3_4b"
-QWEN3_4B = dict(gpu_smoke.QWEN3_8B, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
+QWEN3_4B = dict(smoke_setup.QWEN3_8B, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
 PROMPT = 256
 
 
@@ -74,7 +76,7 @@ def measure(trainer, batch, cuda: bool) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     try:
-        out = gpu_smoke.timed_step(trainer, batch, cuda)
+        out = smoke_case.timed_step(trainer, batch, cuda)
     except torch.OutOfMemoryError:
         trainer.optimizer.zero_grad(set_to_none=True)
         return {"oom": True}
@@ -88,8 +90,8 @@ def child(args) -> None:
     from pace.algo.trainer import DAPOTrainer
 
     cuda = not args.tiny
-    cfg = gpu_smoke.trainer_config(PRESET, args.model, args.tiny)
-    acc = gpu_smoke.accelerator(PRESET, cfg.model.dtype, args.tiny)
+    cfg = smoke_setup.trainer_config(PRESET, args.model, args.tiny)
+    acc = smoke_case.accelerator(PRESET, cfg.model.dtype, args.tiny)
     trainer = DAPOTrainer(args.model, cfg, acc)
     unwrapped = acc.unwrap_model(trainer.model)
     vocab, p = unwrapped.config.vocab_size, plan(args.tiny)
@@ -102,17 +104,16 @@ def child(args) -> None:
                 "shards": sorted({str(q.dtype) for q in trainer.model.parameters()}), "chunk": cfg.trainer.logprob_chunk,
                 "params_b": sum(q.numel() for q in trainer.model.parameters()) / 1e9})
     # the weight sync's gather first, while the weights are still the checkpoint's
-    gpu_smoke.emit = lambda case, what, **values: emit(what=what, **values)  # engine_view's record, as ours
-    gpu_smoke.engine_view("bench", trainer, args.model, cuda)
+    emit(what="source", **smoke_case.engine_view(trainer, args.model, cuda))
     for n in p["lengths"]:
         trainer.cfg.trainer.max_tokens_per_micro_batch = n  # the sequence in one micro-batch
-        batch = gpu_smoke.batch_of(trainer, PROMPT, n - PROMPT, vocab)
+        batch = smoke_case.batch_of(trainer, PROMPT, n - PROMPT, vocab)
         emit(tokens=n, predicted_gib=predicted_gib(trainer, cfg, n, n - PROMPT), **measure(trainer, batch, cuda))
         del batch
     for budget in p["budgets"]:
         rows = budget // p["per_seq"]
         trainer.cfg.trainer.max_tokens_per_micro_batch = budget  # one micro-batch of `rows` sequences
-        batch = gpu_smoke.batch_of(trainer, PROMPT, p["per_seq"] - PROMPT, vocab, rows=rows)
+        batch = smoke_case.batch_of(trainer, PROMPT, p["per_seq"] - PROMPT, vocab, rows=rows)
         r = measure(trainer, batch, cuda)
         del batch
         emit(budget=budget, predicted_gib=predicted_gib(trainer, cfg, budget, budget - rows * PROMPT), **r,
@@ -120,8 +121,8 @@ def child(args) -> None:
         if r["oom"]:
             break
 
-    prompt, response = gpu_smoke.TINY_AGREE_LENGTHS if args.tiny else gpu_smoke.AGREE_LENGTHS
-    row = gpu_smoke.batch_of(trainer, prompt, response, vocab, seed=2)
+    prompt, response = smoke_setup.TINY_AGREE_LENGTHS if args.tiny else smoke_setup.AGREE_LENGTHS
+    row = smoke_case.batch_of(trainer, prompt, response, vocab, seed=2)
     b = trainer._collate([(g.prompt_ids, t) for g in row.groups for t in g.trajectories])
     trainer.model.eval()
     with torch.no_grad():
@@ -172,7 +173,7 @@ def main() -> None:
         sys.exit("no CUDA device: run with --tiny on CPU")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_trainer_"))
     try:
-        model = gpu_smoke.write_model(work / "qwen3_4b", {**QWEN3_4B, **(gpu_smoke.TINY if args.tiny else {})},
+        model = smoke_setup.write_model(work / "qwen3_4b", {**QWEN3_4B, **(smoke_setup.TINY if args.tiny else {})},
                                       2 if args.tiny else args.layers, args.tiny)
         t0 = time.perf_counter()
         out = gpu_smoke.run_child(Path(__file__).resolve(), ["--model", str(model)] + (["--tiny"] if args.tiny else []),

@@ -1,6 +1,6 @@
 """Importance-sampling corrections of the behaviour ratio and train–inference mismatch (DESIGN §4).
 
-Pure tensor functions over the flat per-response-token layout of `pace.algo.trainer.collate`:
+Pure tensor functions over the flat per-response-token layout of `pace.algo.microbatch.collate`:
 every tensor is [T] (the response tokens of a micro-batch, sequence after sequence), ``mask`` is
 1 on the tokens that count (the model's actions), ``seq_ids`` [T] numbers the sequences 0..S−1.
 A sequence never spans micro-batches, so sequence-level corrections are exact per call.

@@ -16,7 +16,7 @@ log-probs, so the trainer divides by T too. vLLM's processed log-probs also refl
 truncation, which the trainer does not apply: with `top_p < 1` the behaviour log-prob ℓ^μ of a
 sampled token is the renormalised one, larger than the trainer's log π by −log(kept mass), and
 every ratio π_θ/μ would be biased below 1. So training rollouts are refused unless top_p = 1
-(pace/config.py; DAPO samples with top_p = 1); only evaluation may truncate.
+(pace/config_checks.py; DAPO samples with top_p = 1); only evaluation may truncate.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Linear | torch.nn.Modu
 def response_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, chunk: int | None,
                       decoder: torch.nn.Module | None = None, head: torch.nn.Module | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log π and entropy of every response token of a collated micro-batch (`pace.algo.trainer.collate`),
+    """log π and entropy of every response token of a collated micro-batch (`pace.algo.microbatch.collate`),
     flat [T]. ``chunk`` None: the full path; else the chunked one on the final hidden states.
 
     ``model`` is called as prepared (under FSDP its hooks unshard and reshard the weights as usual)

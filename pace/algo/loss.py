@@ -3,13 +3,17 @@
 Shapes: every per-token tensor is [N] or [B, T] with a 0/1 ``mask`` of the same shape marking the
 response tokens that count. The loss is token-level: the sum over every counted token divided by
 ``num_tokens`` (the number of counted tokens of the whole mini-batch across micro-batches and
-ranks), so micro-batching and data parallelism do not change it.
+ranks), so micro-batching and data parallelism do not change it. `build_loss` picks the configured
+variant once, from config (one function per variant; no string branches in the training step).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from pace.algo import correction
 
 
 @dataclass
@@ -165,3 +169,44 @@ def decoupled_loss(
         ratio_sum=(ratio * mask).sum().detach(),
         weight_sum=(weight * mask).sum().detach(),
     )
+
+
+def build_loss(algo) -> Callable[[torch.Tensor, dict, float], LossOut]:
+    """The configured loss as fn(logp, batch tensors, num_tokens): one pure function per variant.
+
+    M2PO reads its mini-batch decision from the batch (``m2po_keep`` or ``m2po_eps``, made by
+    `DAPOTrainer._m2po_decide`); the IS corrections are computed per call from ρ = π_prox/μ
+    (proximal) or sg(π_θ)/μ (behaviour), exact per sequence (a sequence never spans calls).
+    """
+    clip = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c)
+    if algo.name == "m2po":
+        if algo.m2po_variant == "paper":
+            return lambda logp, b, n: m2po_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], b["m2po_keep"], n)
+        return lambda logp, b, n: dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n,
+                                            eps_low=b["m2po_eps"][0], eps_high=b["m2po_eps"][1], clip_ratio_c=None)
+
+    def corrected(log_rho: torch.Tensor, b: dict) -> correction.Correction:
+        return correction.correct(log_rho, b["loss_mask"], b["seq_ids"], int(b["n_seqs"]), algo.is_correction,
+                                  algo.is_level, algo.is_threshold, algo.is_threshold_lower)
+
+    def with_counts(out: LossOut, c: correction.Correction) -> LossOut:
+        out.masked, out.truncated = c.masked, c.truncated
+        return out
+
+    if algo.ratio_ref == "proximal":
+        def proximal(logp, b, n):
+            c = corrected(b["logp_prox"] - b["logp_behavior"], b)
+            return with_counts(decoupled_loss(logp, b["logp_prox"], b["logp_behavior"], b["advantages"], b["loss_mask"], n,
+                                              weight=c.weight, **clip), c)
+        return proximal
+    if algo.is_correction == "tis":
+        def truncated(logp, b, n):
+            c = corrected(logp.detach() - b["logp_behavior"], b)
+            return with_counts(tis_pg_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], c.weight, n), c)
+        return truncated
+    if algo.is_correction == "mis":
+        def masked(logp, b, n):
+            c = corrected(logp.detach() - b["logp_behavior"], b)
+            return with_counts(dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n, weight=c.keep, **clip), c)
+        return masked
+    return lambda logp, b, n: dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n, **clip)

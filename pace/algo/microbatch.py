@@ -1,4 +1,5 @@
-"""How one mini-batch is split over ranks and micro-batches. Pure: lengths in, index lists out.
+"""How one mini-batch is split over ranks and micro-batches (pure: lengths in, index lists out), and
+one micro-batch's tensors (`collate`: trajectories in, model inputs and per-token tensors out).
 
 Two modes, as in verl (`use_dynamic_bsz`/`ppo_max_token_len_per_gpu`) and AReaL (`max_tokens_per_mb`):
 
@@ -17,6 +18,14 @@ pass. The token-level loss is a sum over tokens divided by the mini-batch's toke
 of this changes the loss or its gradient (up to float summation order).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from pace.records import Trajectory
 
 
 def assign_ranks(lengths: list[int], n_ranks: int, by_tokens: bool) -> list[list[int]]:
@@ -91,3 +100,53 @@ def plan(lengths: list[int], n_ranks: int, *, max_seqs: int, max_tokens: int | N
     else:
         per_rank = [split_by_tokens(s, lengths, max_tokens, packed) for s in shares]
     return equalize(per_rank)
+
+
+def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = False) -> dict[str, torch.Tensor]:
+    """Model inputs for one micro-batch, and flat per-response-token tensors [T] (T = Σ responses).
+
+    Right-padded rows (``input_ids``, ``attention_mask`` [R, L]), or with ``packed`` one row of the
+    sequences end to end with ``position_ids`` restarting at each (no padding; transformers then
+    masks attention within each sequence: varlen flash-attention, or a block mask for SDPA).
+    Position p predicts token p+1, so response token t of a sequence with prompt length n_p is
+    scored by the hidden state at n_p − 1 + t: ``index`` holds those positions in the flattened
+    [R·L] layout. ``targets``, ``loss_mask`` (the action mask), ``logp_behavior``, ``advantages``,
+    ``versions`` (v_t) and ``seq_ids`` (the sequence of each token, 0..``n_seqs``−1) are aligned
+    with ``index``; ``pad_tokens``/``slots`` count the padding.
+    """
+    seqs = [np.concatenate([np.asarray(p, dtype=np.int64), t.response_ids.astype(np.int64)]) for p, t in zip(prompts, trajs)]
+    lengths = np.array([len(s) for s in seqs])
+    n_prompt = np.array([len(p) for p in prompts])
+    n_resp = np.array([len(t) for t in trajs])
+    if packed:
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        input_ids = np.concatenate(seqs)[None]
+        model_inputs = {"position_ids": torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])[None])}
+    else:
+        width = int(lengths.max())
+        starts = np.arange(len(seqs)) * width
+        input_ids = np.zeros((len(seqs), width), dtype=np.int64)
+        attention = np.zeros((len(seqs), width), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            input_ids[i, : len(s)] = s
+            attention[i, : len(s)] = 1
+        model_inputs = {"attention_mask": torch.from_numpy(attention)}
+    index = np.concatenate([start + n_p - 1 + np.arange(n_r) for start, n_p, n_r in zip(starts, n_prompt, n_resp)])
+    mask = np.concatenate([np.ones(len(t), dtype=bool) if t.action_mask is None else t.action_mask for t in trajs])
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        **model_inputs,
+        "index": torch.from_numpy(index),
+        "targets": torch.from_numpy(np.concatenate([t.response_ids for t in trajs]).astype(np.int64)),
+        "loss_mask": torch.from_numpy(mask.astype(np.float32)),
+        "logp_behavior": torch.from_numpy(np.concatenate([t.logprobs for t in trajs]).astype(np.float32)),
+        "advantages": torch.from_numpy(np.repeat(np.array([t.advantage for t in trajs], dtype=np.float32), n_resp)),
+        "versions": torch.from_numpy(np.concatenate([t.versions for t in trajs]).astype(np.int64)),
+        # each token's response's first version (the mismatch guard's on-policy tokens: correction.on_policy_tokens)
+        "first_versions": torch.from_numpy(np.repeat(np.array([int(t.versions[0]) if len(t.versions) else -1
+                                                               for t in trajs], dtype=np.int64), n_resp)),
+        "seq_ids": torch.from_numpy(np.repeat(np.arange(len(trajs)), n_resp)),
+        "n_seqs": torch.tensor(len(trajs)),
+        "pad_tokens": torch.tensor(float(input_ids.size - lengths.sum())),
+        "slots": torch.tensor(float(input_ids.size)),
+    }

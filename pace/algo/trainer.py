@@ -21,108 +21,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from pace.algo import correction, m2po, microbatch
 from pace.algo.logprobs import response_logprobs
-from pace.algo.loss import LossOut, dapo_loss, decoupled_loss, m2po_loss, tis_pg_loss
+from pace.algo.loss import build_loss
+from pace.algo.microbatch import collate
 from pace.records import Batch, Trajectory
 
 Pair = tuple[list[int], Trajectory]  # (prompt ids, response)
-
-
-def build_loss(algo) -> Callable[[torch.Tensor, dict, float], LossOut]:
-    """The configured loss as fn(logp, batch tensors, num_tokens): one pure function per variant.
-
-    M2PO reads its mini-batch decision from the batch (``m2po_keep`` or ``m2po_eps``, made by
-    `DAPOTrainer._m2po_decide`); the IS corrections are computed per call from ρ = π_prox/μ
-    (proximal) or sg(π_θ)/μ (behaviour), exact per sequence (a sequence never spans calls).
-    """
-    clip = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, clip_ratio_c=algo.clip_ratio_c)
-    if algo.name == "m2po":
-        if algo.m2po_variant == "paper":
-            return lambda logp, b, n: m2po_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], b["m2po_keep"], n)
-        return lambda logp, b, n: dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n,
-                                            eps_low=b["m2po_eps"][0], eps_high=b["m2po_eps"][1], clip_ratio_c=None)
-
-    def corrected(log_rho: torch.Tensor, b: dict) -> correction.Correction:
-        return correction.correct(log_rho, b["loss_mask"], b["seq_ids"], int(b["n_seqs"]), algo.is_correction,
-                                  algo.is_level, algo.is_threshold, algo.is_threshold_lower)
-
-    def with_counts(out: LossOut, c: correction.Correction) -> LossOut:
-        out.masked, out.truncated = c.masked, c.truncated
-        return out
-
-    if algo.ratio_ref == "proximal":
-        def proximal(logp, b, n):
-            c = corrected(b["logp_prox"] - b["logp_behavior"], b)
-            return with_counts(decoupled_loss(logp, b["logp_prox"], b["logp_behavior"], b["advantages"], b["loss_mask"], n,
-                                              weight=c.weight, **clip), c)
-        return proximal
-    if algo.is_correction == "tis":
-        def truncated(logp, b, n):
-            c = corrected(logp.detach() - b["logp_behavior"], b)
-            return with_counts(tis_pg_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], c.weight, n), c)
-        return truncated
-    if algo.is_correction == "mis":
-        def masked(logp, b, n):
-            c = corrected(logp.detach() - b["logp_behavior"], b)
-            return with_counts(dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n, weight=c.keep, **clip), c)
-        return masked
-    return lambda logp, b, n: dapo_loss(logp, b["logp_behavior"], b["advantages"], b["loss_mask"], n, **clip)
-
-
-def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = False) -> dict[str, torch.Tensor]:
-    """Model inputs for one micro-batch, and flat per-response-token tensors [T] (T = Σ responses).
-
-    Right-padded rows (``input_ids``, ``attention_mask`` [R, L]), or with ``packed`` one row of the
-    sequences end to end with ``position_ids`` restarting at each (no padding; transformers then
-    masks attention within each sequence: varlen flash-attention, or a block mask for SDPA).
-    Position p predicts token p+1, so response token t of a sequence with prompt length n_p is
-    scored by the hidden state at n_p − 1 + t: ``index`` holds those positions in the flattened
-    [R·L] layout. ``targets``, ``loss_mask`` (the action mask), ``logp_behavior``, ``advantages``,
-    ``versions`` (v_t) and ``seq_ids`` (the sequence of each token, 0..``n_seqs``−1) are aligned
-    with ``index``; ``pad_tokens``/``slots`` count the padding.
-    """
-    seqs = [np.concatenate([np.asarray(p, dtype=np.int64), t.response_ids.astype(np.int64)]) for p, t in zip(prompts, trajs)]
-    lengths = np.array([len(s) for s in seqs])
-    n_prompt = np.array([len(p) for p in prompts])
-    n_resp = np.array([len(t) for t in trajs])
-    if packed:
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        input_ids = np.concatenate(seqs)[None]
-        model_inputs = {"position_ids": torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])[None])}
-    else:
-        width = int(lengths.max())
-        starts = np.arange(len(seqs)) * width
-        input_ids = np.zeros((len(seqs), width), dtype=np.int64)
-        attention = np.zeros((len(seqs), width), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            input_ids[i, : len(s)] = s
-            attention[i, : len(s)] = 1
-        model_inputs = {"attention_mask": torch.from_numpy(attention)}
-    index = np.concatenate([start + n_p - 1 + np.arange(n_r) for start, n_p, n_r in zip(starts, n_prompt, n_resp)])
-    mask = np.concatenate([np.ones(len(t), dtype=bool) if t.action_mask is None else t.action_mask for t in trajs])
-    return {
-        "input_ids": torch.from_numpy(input_ids),
-        **model_inputs,
-        "index": torch.from_numpy(index),
-        "targets": torch.from_numpy(np.concatenate([t.response_ids for t in trajs]).astype(np.int64)),
-        "loss_mask": torch.from_numpy(mask.astype(np.float32)),
-        "logp_behavior": torch.from_numpy(np.concatenate([t.logprobs for t in trajs]).astype(np.float32)),
-        "advantages": torch.from_numpy(np.repeat(np.array([t.advantage for t in trajs], dtype=np.float32), n_resp)),
-        "versions": torch.from_numpy(np.concatenate([t.versions for t in trajs]).astype(np.int64)),
-        # each token's response's first version (the mismatch guard's on-policy tokens: correction.on_policy_tokens)
-        "first_versions": torch.from_numpy(np.repeat(np.array([int(t.versions[0]) if len(t.versions) else -1
-                                                               for t in trajs], dtype=np.int64), n_resp)),
-        "seq_ids": torch.from_numpy(np.repeat(np.arange(len(trajs)), n_resp)),
-        "n_seqs": torch.tensor(len(trajs)),
-        "pad_tokens": torch.tensor(float(input_ids.size - lengths.sum())),
-        "slots": torch.tensor(float(input_ids.size)),
-    }
 
 
 class DAPOTrainer:
@@ -172,9 +80,10 @@ class DAPOTrainer:
         self._decoder, self._head = unwrapped.get_decoder(), unwrapped.get_output_embeddings()
         self.loss_fn = build_loss(cfg.algo)  # chosen once, from config
         self.proximal = cfg.algo.ratio_ref == "proximal"
-        # FSDP: reduce-scatter after every micro-batch (sharded gradients; `no_sync` would keep an
-        # unsharded one per GPU). DDP: all-reduce once, after the last (its gradients are full anyway).
-        self.sync_every = t.grad_sync == "every" or (t.grad_sync == "auto" and accelerator.is_fsdp2)
+        # `trainer.grad_sync` resolved. FSDP: reduce-scatter after every micro-batch (sharded gradients;
+        # `no_sync` would keep an unsharded one per GPU). DDP: all-reduce once, after the last (its
+        # gradients are full anyway).
+        self.grad_sync_every = t.grad_sync == "every" or (t.grad_sync == "auto" and accelerator.is_fsdp2)
         self.version = 0
         self.nonfinite_skipped = 0  # updates skipped for a non-finite loss or gradient, over the run
         # True from the first optimizer update of a step until the step completes: a failure then
@@ -315,8 +224,8 @@ class DAPOTrainer:
                 b["logp_prox"] = torch.cat([prox[id(t)] for _, t in pairs])
             if decision is not None:
                 b["m2po_keep" if self.cfg.algo.m2po_variant == "paper" else "m2po_eps"] = decision[i]
-            sync = self.sync_every or i == len(micro_batches) - 1
-            with contextlib.nullcontext() if sync else self.acc.no_sync(self.model):
+            grad_sync = self.grad_sync_every or i == len(micro_batches) - 1
+            with contextlib.nullcontext() if grad_sync else self.acc.no_sync(self.model):
                 logp, entropy = self._logprobs(b)
                 out = self.loss_fn(logp, b, norm)
                 self.acc.backward(out.loss if mb else out.loss * 0.0)

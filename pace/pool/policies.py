@@ -73,11 +73,11 @@ class GatePolicy(PoolPolicy):
 
     def __init__(self, batch_prompts: int, max_inflight_groups: int, max_head_offpolicyness: int):
         super().__init__(batch_prompts, max_inflight_groups)
-        self.eta = max_head_offpolicyness
+        self.max_head_offpolicyness = max_head_offpolicyness
 
     def admits(self, view: AdmissionView) -> bool:
         counted = view.started - view.discarded
-        return (view.trainer_version + self.eta + 1) * view.batch_prompts > counted and super().admits(view)
+        return (view.trainer_version + self.max_head_offpolicyness + 1) * view.batch_prompts > counted and super().admits(view)
 
 
 class PacePolicy(PoolPolicy):
@@ -95,7 +95,7 @@ class PacePolicy(PoolPolicy):
     def __init__(self, batch_prompts: int, max_inflight_groups: int, score: str, gamma: float,
                  target_pool: int, ema: float, score_window: int, selection: str = "pool"):
         super().__init__(batch_prompts, max_inflight_groups)
-        self.kind, self.gamma, self.selection = score, gamma, selection
+        self.score, self.gamma, self.selection = score, gamma, selection
         self.controller = RejectionController(target_pool, ema)
         self.window = ScoreWindow(score_window)
 
@@ -107,10 +107,10 @@ class PacePolicy(PoolPolicy):
         sync, so the set follows the pool. Nothing while the budget would be zero."""
         slots = pooled.slots()
         n = len(slots)
-        if self.kind != "effective" or n == 0:
+        if self.score != "effective" or n == 0:
             return slots[:0]
         c = self.controller
-        rho = c.ema * c.rho + (1.0 - c.ema) * max(0, n - c.target) / n  # c.update(n) without the side effect
+        rho = c.ema * c.rho + (1.0 - c.ema) * max(0, n - c.target_pool) / n  # c.update(n) without the side effect
         r = c.budget(rho, n, self.batch_prompts)
         if r == 0:
             return slots[:0]
@@ -130,7 +130,7 @@ class PacePolicy(PoolPolicy):
         budget = self.controller.budget(rho, n, self.batch_prompts)
         k_gen, k_wait, completed = pooled.k_gen[slots], step - pooled.c_mean[slots], pooled.completed[slots]
         metrics = {"rho": rho, "budget": budget}
-        if self.kind == "effective":
+        if self.score == "effective":
             # u^γ ∈ [0, 1] bounds every score in [K_wait, K_wait + K_gen]. Only groups whose upper
             # bound reaches the budget-th highest lower bound can be among the R highest scores,
             # so only they need their PFS ranked (in steady state a few per cent of the pool).
@@ -142,7 +142,7 @@ class PacePolicy(PoolPolicy):
             if ranked.any():
                 metrics["pfs_coverage"] = float(np.mean(~np.isnan(pfs[ranked])))
         else:  # raw / generation do not depend on the PFS
-            rejected = scoring.top_r(scoring.score(self.kind, k_wait, k_gen), completed, budget)
+            rejected = scoring.top_r(scoring.score(self.score, k_wait, k_gen), completed, budget)
         kept = np.ones(n, dtype=bool)
         kept[rejected] = False
         taken = np.flatnonzero(kept)[: self.batch_prompts]
@@ -157,14 +157,14 @@ class PacePolicy(PoolPolicy):
             g.scores.update(u=float(u[i]), score=float(s[i]), s_eff=float(s_eff[i]))
             if i < len(rejected):
                 g.scores.update(rho=rho, budget=budget)
-        removed = [(g, Fate.REJECTED, f"pace:{self.kind}") for g in groups[: len(rejected)]]
+        removed = [(g, Fate.REJECTED, f"pace:{self.score}") for g in groups[: len(rejected)]]
         return Selection(batch=groups[len(rejected):], removed=removed, metrics=metrics)
 
     def _scores(self, pfs: np.ndarray, k_wait: np.ndarray, k_gen: np.ndarray) -> tuple[np.ndarray, ...]:
         """(score, u, effective score); a group not rescored yet has u = 1 (K_gen counts in full)."""
         u = self.window.ranks(pfs)
         s_eff = scoring.score("effective", k_wait, k_gen, u, self.gamma)
-        s = s_eff if self.kind == "effective" else scoring.score(self.kind, k_wait, k_gen, u, self.gamma)
+        s = s_eff if self.score == "effective" else scoring.score(self.score, k_wait, k_gen, u, self.gamma)
         return s, u, s_eff
 
     def state_dict(self) -> dict:
@@ -182,9 +182,9 @@ POLICIES: dict[str, type[PoolPolicy]] = {
 
 def build_policy(cfg) -> PoolPolicy:
     policy = _build_policy(cfg)
-    share = cfg.pool.record_effective  # a resumed run's config is merged with the schema: always there
-    if share > 0 and not (cfg.pool.name == "pace" and cfg.pace.score == "effective"):
-        return RecordingPolicy(policy, gamma=cfg.pace.gamma, score_window=cfg.pace.score_window, share=share)
+    record = cfg.pool.record_effective  # a resumed run's config is merged with the schema: always there
+    if record > 0 and not (cfg.pool.name == "pace" and cfg.pace.score == "effective"):
+        return RecordingPolicy(policy, gamma=cfg.pace.gamma, score_window=cfg.pace.score_window, record_effective=record)
     return policy
 
 

@@ -40,12 +40,12 @@ from pace.pool.scoring import ScoreWindow
 class RecordingPolicy:
     """``policy``'s decisions, with PACE's effective score computed and recorded per decided group."""
 
-    def __init__(self, policy: PoolPolicy, gamma: float, score_window: int, share: float = 1.0,
+    def __init__(self, policy: PoolPolicy, gamma: float, score_window: int, record_effective: float = 1.0,
                  head: int | None = None):
-        if not 0 < share <= 1:
-            raise ValueError(f"pool.record_effective must be in [0, 1] (0: off), got {share}")
+        if not 0 < record_effective <= 1:
+            raise ValueError(f"pool.record_effective must be in [0, 1] (0: off), got {record_effective}")
         self.policy = policy
-        self.share = share
+        self.record_effective = record_effective
         self.batch_prompts = policy.batch_prompts
         self.gamma = gamma
         self.head = 2 * policy.batch_prompts if head is None else head
@@ -60,14 +60,14 @@ class RecordingPolicy:
         one score is enough, at a fraction of the engine time)."""
         slots = pooled.slots()[: self.head]
         slots = slots[np.isnan(pooled.pfs[slots])]
-        if self.share < 1:
+        if self.record_effective < 1:
             slots = slots[[self.sampled(g) for g in pooled.groups(slots)]]
         return slots
 
     def sampled(self, group) -> bool:
         """Whether ``group`` is in the recorded sample: a fixed pseudo-random share of group ids
         (Knuth's multiplicative hash), the same in every run."""
-        return (group.id * 2654435761) % 2**32 < self.share * 2**32
+        return (group.id * 2654435761) % 2**32 < self.record_effective * 2**32
 
     def record_pfs(self, values: list[float]) -> None:
         self.window.extend(values)

@@ -130,15 +130,15 @@ def candidates(lo: np.ndarray, hi: np.ndarray, r: int) -> np.ndarray:
 class RejectionController:
     """EMA of the pool's excess occupancy over its target: the rejection rate ρ."""
 
-    def __init__(self, target: int, ema: float):
-        if target < 0 or not 0 <= ema < 1:
-            raise ValueError(f"RejectionController: need target >= 0 and 0 <= ema < 1, got {target}, {ema}")
-        self.target = target
+    def __init__(self, target_pool: int, ema: float):
+        if target_pool < 0 or not 0 <= ema < 1:
+            raise ValueError(f"RejectionController: need target_pool >= 0 and 0 <= ema < 1, got {target_pool}, {ema}")
+        self.target_pool = target_pool
         self.ema = ema
         self.rho = 0.0
 
     def update(self, occupancy: int) -> float:
-        excess = max(0, occupancy - self.target) / occupancy if occupancy > 0 else 0.0
+        excess = max(0, occupancy - self.target_pool) / occupancy if occupancy > 0 else 0.0
         self.rho = self.ema * self.rho + (1.0 - self.ema) * excess
         return self.rho
 

@@ -7,7 +7,7 @@ prefixes. Its loop, one pass at a time:
     step the engines; record each token with v_t and ℓ^μ_t         generation.py
     continue responses whose tool call returned                   tool_turns.py
     pool the groups whose grades are in                          generation.py
-    finish an in-training validation                             validating.py
+    finish an in-training validation                             val_requests.py
 and after each update, PACE's prefix rescoring                    rescoring.py
 
 An exception here is stored in `error` and the trainer re-raises it within one poll interval.
@@ -36,13 +36,13 @@ from pace.rollout.rescoring import RescoringMixin
 from pace.rollout.resuming import ResumingMixin
 from pace.rollout.stopping import stop_token_ids
 from pace.rollout.tool_turns import ToolTurnsMixin
-from pace.rollout.validating import Validation, ValidationMixin
+from pace.rollout.val_requests import ValRequestsMixin, ValResult
 from pace.tasks.base import PromptSampler
 
-__all__ = ["RolloutError", "RolloutWorker", "Validation"]
+__all__ = ["RolloutError", "RolloutWorker"]
 
 
-class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMixin, FailoverMixin, ValidationMixin,
+class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMixin, FailoverMixin, ValRequestsMixin,
                     threading.Thread):
     def __init__(self, fleet: Fleet, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg, val_sets: dict | None = None):
         """``fleet``: the engines (`EngineFleet`, e.g. ``EngineFleet([llm])`` for one `LLM`, or `RemoteFleet`)."""
@@ -106,7 +106,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._sync_last: dict[int, float] = {}  # the fleet's sync_seconds() at the last metrics() call
         self.val_sets = val_sets if cfg.eval.every > 0 else None
         self.final_version = cfg.trainer.steps
-        self.validations: queue.Queue[Validation] = queue.Queue()
+        self.val_results: queue.Queue[ValResult] = queue.Queue()
         self._val_next = 0 if cfg.eval.at_start else cfg.eval.every
         self._val = None  # (EvalRun, version, weights, start time) while one runs
         self.validated_version: int | None = None  # the last version whose validation was handed over

@@ -14,7 +14,8 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from pace.config import Config, validate
+from pace.config import Config
+from pace.config_checks import validate
 from pace.errors import ConfigError
 
 
@@ -98,7 +99,7 @@ def register() -> None:
 
 
 def validate_sim(cfg: DictConfig) -> None:
-    """The run keys as `pace.config.validate` checks them, then the models'. Raises ConfigError."""
+    """The run keys as `pace.config_checks.validate` checks them, then the models'. Raises ConfigError."""
     validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "sim"]))
     s = cfg.sim
     for key in ("engine.step_s", "trainer.step_s", "engine.train_slowdown", "trainer.colocated_slowdown",

@@ -51,7 +51,7 @@ class SimEngine:
         self.prefill_s, self.stall_s = cfg.prefill_token_s, cfg.stall_s
         self.slow = 1.0  # latency factor (`train_slowdown` while a colocated trainer trains)
         self.kv = math.inf if cfg.kv_tokens is None else cfg.kv_tokens
-        self.max_seqs = max_num_seqs
+        self.max_num_seqs = max_num_seqs
         self.version = 0
         self._vc, self._vv = [0], [0]  # version log: decode-step counter at which each version loaded
         self.counter = 0  # decode steps done
@@ -211,13 +211,13 @@ class SimEngine:
 
     def _admit(self) -> None:
         waiting = self.waiting
-        if not waiting or self.n >= self.max_seqs:
+        if not waiting or self.n >= self.max_num_seqs:
             self.event_id += 1
             return
         n, S, kv, counter = self.n, self.S, self.kv, self.counter
         seqs, order, heap = self._seqs, self._order, self._heap
         cached = (self.idx, self.version)
-        while waiting and n < self.max_seqs:
+        while waiting and n < self.max_num_seqs:
             group, j, produced = waiting[0]
             ctx = group.prompt_tokens + produced
             if n and S + n + ctx + 1 > kv:

@@ -53,7 +53,7 @@ class Simulation:
         self.pool = Pool(build_policy(cfg), informative=lambda g: is_informative(metric(g)), capacity=cfg.pool.capacity)
         self.engines = [SimEngine(i, s.engine, cfg.rollout.max_num_seqs) for i in range(cfg.rollout.engines)]
         self.rescore = reads_pfs(self.pool.policy) and not (cfg.pool.name == "pace" and cfg.pace.score != "effective")
-        self.prefix = cfg.pace.prefix_tokens
+        self.prefix_tokens = cfg.pace.prefix_tokens
         self._events: list = []
         self._touched: set[SimEngine] = set()  # engines whose state changed in this event
         self._dirty = True  # the pool or a version changed since admission was last asked
@@ -199,8 +199,8 @@ class Simulation:
         """PACE: score the groups whose PFS could change the next rejections, under the loaded weights."""
         v = self.fleet_version
         for g in self.pool.to_rescore(v):
-            lags = g.prefix_lag(v, self.prefix)
-            tokens = int(sum(g.prompt_tokens + min(self.prefix, int(n)) for n, lag in zip(g.target, lags) if lag > 0))
+            lags = g.prefix_lag(v, self.prefix_tokens)
+            tokens = int(sum(g.prompt_tokens + min(self.prefix_tokens, int(n)) for n, lag in zip(g.target, lags) if lag > 0))
             engine = self.engines[g.engine]
             self._finished(engine.add_prefill(tokens, self.now))
             self._touched.add(engine)
@@ -269,7 +269,7 @@ class Simulation:
                 self._finished(e.set_slowdown(factor, self.now))
                 self._touched.add(e)
 
-    # --- what a step logs: the names of train.py's step_metrics (DESIGN §6) ------------------------
+    # --- what a step logs: the names of pace/loop.py's step_metrics (DESIGN §6) ------------------
     def _metrics(self, batch, decided: list, wait: float, train_s: float, sync_s: float) -> dict:
         step, groups = batch.step, batch.groups
         ks = np.array([g.staleness(step) for g in groups])

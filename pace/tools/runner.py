@@ -32,10 +32,10 @@ def is_tool_stop(completion) -> bool:
 
 
 class ToolRunner:
-    def __init__(self, cfg, tokenizer, max_calls: int, on_done: Callable[[], None] | None = None):
+    def __init__(self, cfg, tokenizer, max_tool_calls: int, on_done: Callable[[], None] | None = None):
         """``cfg``: the `tools` config node. ``on_done``: called (from a pool thread) when a call finishes."""
         self.tokenizer = tokenizer
-        self.max_calls = max_calls
+        self.max_tool_calls = max_tool_calls
         limits = Limits(wall_s=cfg.wall_s, cpu_s=cfg.cpu_s, memory_mb=cfg.memory_mb, output_bytes=cfg.output_bytes)
         self.sandbox = Sandbox(cfg.sandbox, limits, warm=cfg.warm)
         self.output_chars = cfg.output_chars
@@ -47,7 +47,7 @@ class ToolRunner:
 
     def turn_kwargs(self, calls: int) -> dict:
         """SamplingParams arguments of a turn after ``calls`` calls."""
-        return {"stop": [CODE_STOP], "include_stop_str_in_output": True} if calls < self.max_calls else {}
+        return {"stop": [CODE_STOP], "include_stop_str_in_output": True} if calls < self.max_tool_calls else {}
 
     def submit(self, key: Hashable, turn_ids: list[int], budget: int) -> None:
         """Run the program the turn (its token ids) ends with; ``budget``: response tokens left

@@ -75,7 +75,7 @@ def trainer(model_path: str, layout: str, acc: Accelerator) -> DAPOTrainer:
     out = DAPOTrainer(model_path, cfg, acc)
     if fsdp:
         acc.state.distributed_type = DistributedType.FSDP
-        out.sync_every = cfg.trainer.grad_sync == "every"
+        out.grad_sync_every = cfg.trainer.grad_sync == "every"
         assert type(out.model).__name__.startswith("FSDP") and acc.is_fsdp2
     return out
 

@@ -31,7 +31,7 @@ def tiny_config(arch: str):
 
 
 def plugin_from_yaml(path: Path):
-    from scripts.gpu_smoke import fsdp_plugin
+    from scripts.smoke_setup import fsdp_plugin
 
     if yaml.safe_load(path.read_text())["fsdp_config"].get("fsdp_offload_params", False):
         raise SystemExit("offload_params in the yaml: not what the presets use")

@@ -40,11 +40,11 @@ def test_the_smokes_preset_reader_agrees_with_hydra(preset):
     """gpu_smoke reads the presets without Hydra (not installed on the device machine): its model,
     algo and trainer values must be Hydra's composition of the same preset."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_smoke
+    import smoke_setup
     from omegaconf import OmegaConf
 
     cfg = compose_cfg([f"+exp={preset}"])
-    mine = gpu_smoke.trainer_config(preset, cfg.model.path, tiny=False)
+    mine = smoke_setup.trainer_config(preset, cfg.model.path, tiny=False)
     for group in ("model", "algo", "trainer"):
         want = OmegaConf.to_container(cfg[group], resolve=True)
         have = asdict(getattr(mine, group))

@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent("""
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
     sys.path.insert(0, "scripts")
-    import gpu_smoke
+    import smoke_case
     from pace.algo.trainer import DAPOTrainer
     from pace.config import Config
 
@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent("""
     cfg = OmegaConf.structured(Config)
     cfg.model.dtype, cfg.trainer.warmup_steps = "bfloat16", 0
     if mode == "fsdp":  # conf/accelerate/fsdp.yaml's FSDP2 plugin and bf16 mixed precision, as on a GPU
-        acc = gpu_smoke.accelerator("fsdp", "bfloat16", tiny=True)
+        acc = smoke_case.accelerator("fsdp", "bfloat16", tiny=True)
     else:
         from accelerate import Accelerator
         acc = Accelerator(cpu=True, mixed_precision="bf16" if mode == "ddp" else "no")
@@ -76,9 +76,9 @@ SCRIPT = textwrap.dedent("""
 def bf16_checkpoint(tmp_path_factory):
     """A tiny Qwen3 saved in bf16, as the presets' hub checkpoints are."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_smoke
+    import smoke_setup
 
-    return gpu_smoke.write_model(tmp_path_factory.mktemp("bf16") / "dense", {**gpu_smoke.QWEN3_8B, **gpu_smoke.TINY}, 2, tiny=True)
+    return smoke_setup.write_model(tmp_path_factory.mktemp("bf16") / "dense", {**smoke_setup.QWEN3_8B, **smoke_setup.TINY}, 2, tiny=True)
 
 
 @pytest.mark.parametrize("path", ["fsdp", "ddp"])

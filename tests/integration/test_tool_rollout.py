@@ -73,7 +73,7 @@ def _spans(mask):
 def test_tool_turns_are_masked_context_with_versions_and_logprobs(llm):
     import torch
 
-    from pace.algo.trainer import collate
+    from pace.algo.microbatch import collate
     from pace.reward import extract_answer
     from pace.rollout import request_ids
     from pace.staleness import group_staleness

@@ -15,7 +15,8 @@ import pytest
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from pace.config import register, validate
+from pace.config import register
+from pace.config_checks import validate
 from pace.errors import ConfigError
 from tests.helpers import CONF, PAPER_PRESETS, PRESETS, compose_cfg
 
@@ -198,9 +199,10 @@ def test_paper_presets_start_up_to_the_missing_gpu(preset: str) -> None:
     """What `python train.py +exp=<preset>` does on this CPU machine: validation passes and the run
     stops at the device check, in one line (test_train_e2e runs one of them as a process)."""
     import train
+    from pace.errors import UserError
 
     cfg = compose_cfg([f"+exp={preset}"])
-    with pytest.raises(train.UserError, match="no CUDA GPU is available here"):
+    with pytest.raises(UserError, match="no CUDA GPU is available here"):
         train.run(cfg)
 
 
@@ -339,9 +341,9 @@ def test_target_pool_is_n_star_with_null_meaning_b():
 
     cfg = compose_cfg(["+exp=pace_tiny", "data.batch_prompts=4"])
     assert cfg.pace.target_pool is None and target_pool(cfg) == 4
-    assert build_policy(cfg).controller.target == 4
+    assert build_policy(cfg).controller.target_pool == 4
     cfg.pace.target_pool = 12
-    assert target_pool(cfg) == 12 and build_policy(cfg).controller.target == 12
+    assert target_pool(cfg) == 12 and build_policy(cfg).controller.target_pool == 12
     assert target_pool(OmegaConf.to_object(cfg)) == 12  # the simulator builds its policy from the object
     assert target_pool({"pace": {"target_pool": None}, "data": {"batch_prompts": 32}}) == 32
     assert target_pool({"pace": {"target_pool": 0}, "data": {"batch_prompts": 32}}) == 0  # a value, not "unset"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pace.algo.logprobs import chunked_logprobs, full_logprobs, response_logprobs
-from pace.algo.trainer import collate
+from pace.algo.microbatch import collate
 from pace.records import Trajectory
 
 pytestmark = pytest.mark.unit

@@ -61,15 +61,15 @@ def test_parameter_count_from_shapes_is_the_built_models(moe, tied):
 
 def test_parameter_count_of_the_presets_shapes_is_the_meta_built_models():
     sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_smoke
+    import smoke_setup
 
-    for arch in (gpu_smoke.QWEN3_8B, gpu_smoke.QWEN3_30B_A3B):
+    for arch in (smoke_setup.QWEN3_8B, smoke_setup.QWEN3_30B_A3B):
         config = (Qwen3MoeConfig if "num_experts" in arch else Qwen3Config)(**arch)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         assert mb.Shapes.of(config).params() == sum(p.numel() for p in model.parameters())
-    assert 8.1e9 < mb.Shapes.of(gpu_smoke.QWEN3_8B).params() < 8.3e9  # Qwen3-8B: 8.2 B
-    assert 30.4e9 < mb.Shapes.of(gpu_smoke.QWEN3_30B_A3B).params() < 30.6e9  # Qwen3-30B-A3B: 30.5 B
+    assert 8.1e9 < mb.Shapes.of(smoke_setup.QWEN3_8B).params() < 8.3e9  # Qwen3-8B: 8.2 B
+    assert 30.4e9 < mb.Shapes.of(smoke_setup.QWEN3_30B_A3B).params() < 30.6e9  # Qwen3-30B-A3B: 30.5 B
 
 
 def test_states_are_the_bytes_of_weights_gradients_and_adamw_moments_after_a_step():
@@ -142,15 +142,15 @@ def test_gpu_smoke_fits_an_h100_for_its_real_shapes(capsys):
     (memory_budget's estimate of each case), not memory measured on a device: the real check is
     scripts/gpu_smoke.py run on an H100, which measures each case's peak."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_smoke
+    import smoke_setup
 
-    peaks = {case: gpu_smoke.predicted_peak(case) for case in ("fsdp", "pure", "moe")}
+    peaks = {case: smoke_setup.predicted_peak(case) for case in ("fsdp", "pure", "moe")}
     with capsys.disabled():
         print("\n" + "\n".join(f"gpu_smoke {case}: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in p.items())
                                for case, p in peaks.items()))
-    assert all(p["peak"] <= gpu_smoke.PEAK_LIMIT_GIB == 74.0 for p in peaks.values())
+    assert all(p["peak"] <= smoke_setup.PEAK_LIMIT_GIB == 74.0 for p in peaks.values())
     assert peaks["fsdp"]["states"] > 29  # 2.0 B parameters × 16 bytes: the 8B's head, embeddings and 4 layers
-    shapes = mb.Shapes.of({**gpu_smoke.QWEN3_8B, "num_hidden_layers": 4})
-    prompt, response = gpu_smoke.LENGTHS["fsdp"]
+    shapes = mb.Shapes.of({**smoke_setup.QWEN3_8B, "num_hidden_layers": 4})
+    prompt, response = smoke_setup.LENGTHS["fsdp"]
     long_row = peaks["fsdp"]["states"] * 3 / 4 + mb.full_logprobs_bytes(shapes, prompt + response, response) / mb.GIB
     assert long_row > 78  # what the check cost before: more than an H100 has

@@ -36,10 +36,10 @@ def qwen3_30b_a3b(tmp_path_factory) -> str:
     from tests.helpers import ROOT
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_smoke
+    import smoke_setup
 
     path = tmp_path_factory.mktemp("qwen3_30b_a3b")
-    Qwen3MoeConfig(**gpu_smoke.QWEN3_30B_A3B).save_pretrained(path)
+    Qwen3MoeConfig(**smoke_setup.QWEN3_30B_A3B).save_pretrained(path)
     return str(path)
 
 

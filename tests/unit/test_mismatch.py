@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from pace.config import Config, validate
+from pace.config import Config
+from pace.config_checks import validate
 from pace.errors import ConfigError
 from pace.mismatch import KEY, MismatchGuard, SyncMismatch
 

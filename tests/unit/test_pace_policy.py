@@ -36,7 +36,7 @@ def test_budget_never_starves_the_trainer(rho, n, b):
 
 
 def test_rho_rises_under_sustained_excess_and_decays_to_zero():
-    c = RejectionController(target=10, ema=0.9)
+    c = RejectionController(target_pool=10, ema=0.9)
     rhos = [c.update(40) for _ in range(30)]  # excess 30/40 = 0.75 every step
     assert all(b > a for a, b in zip(rhos, rhos[1:]))
     assert rhos[-1] == pytest.approx(0.75 * (1 - 0.9**30))

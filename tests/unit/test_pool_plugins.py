@@ -9,7 +9,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from examples.pool_policies.freshest import FreshestPolicy
-from pace.config import Config, validate
+from pace.config import Config
+from pace.config_checks import validate
 from pace.errors import ConfigError
 from pace.pool import Pool, PoolPolicy, Selection, build_policy
 from pace.pool.plugins import reads_pfs

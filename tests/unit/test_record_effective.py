@@ -134,7 +134,8 @@ def test_the_key_is_a_share_validated_in_one_line(share, ok):
 
     from hydra import compose, initialize_config_dir
 
-    from pace.config import register, validate
+    from pace.config import register
+    from pace.config_checks import validate
     from pace.errors import ConfigError
 
     register()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from pace.config import validate
+from pace.config_checks import validate
 from pace.errors import ConfigError
 from pace.rollout.protocol import completion_from, params_json, prompt_logprobs_from
 from pace.sync import transfer_address

@@ -45,9 +45,9 @@ class Tokenizer:
 
 
 def test_rollout_exception_stops_the_trainer_wait_with_its_traceback():
+    from pace.loop import wait_for_batch
     from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutError, RolloutWorker
-    from train import wait_for_batch
 
     cfg = OmegaConf.structured(Config)
     pool = Pool(build_policy(cfg), informative=lambda g: True)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture()
 def runner():
     tok = build_tokenizer()
-    runner = ToolRunner(ToolsConfig(workers=4, wall_s=5.0, cpu_s=2), tok, max_calls=2)
+    runner = ToolRunner(ToolsConfig(workers=4, wall_s=5.0, cpu_s=2), tok, max_tool_calls=2)
     yield runner
     runner.close()
 

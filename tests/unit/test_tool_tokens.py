@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pace import staleness
-from pace.algo.trainer import collate
+from pace.algo.microbatch import collate
 from pace.records import Group, Trajectory
 
 pytestmark = pytest.mark.unit

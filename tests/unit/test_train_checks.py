@@ -1,4 +1,5 @@
-"""Start-up checks of train.py that depend on the number of trainer processes."""
+"""Start-up checks of train.py that depend on the number of trainer processes, its mixed precision,
+and its stop signal."""
 from __future__ import annotations
 
 import pytest
@@ -16,15 +17,35 @@ pytestmark = pytest.mark.unit
     (5, 2, 2, 4, True),     # 6 + 4
 ])
 def test_every_rank_gets_a_share_of_every_mini_batch(b, n_mini, g, world, ok):
-    from train import UserError, check_shares
+    from pace.config_checks import check_processes, check_shares
+    from pace.errors import ConfigError
+    from pace.placement import Placement
 
     cfg = OmegaConf.structured(Config)
     cfg.data.batch_prompts, cfg.trainer.mini_batches, cfg.data.group_size = b, n_mini, g
+    placement = Placement.of(cfg.rollout, "cpu", world)  # what train.py checks once it knows the world
     if ok:
         check_shares(cfg, world)
+        check_processes(cfg, placement)
     else:
-        with pytest.raises(UserError, match="trainer.mini_batches"):
+        with pytest.raises(ConfigError, match="trainer.mini_batches"):
             check_shares(cfg, world)
+        with pytest.raises(ConfigError, match="trainer.mini_batches"):
+            check_processes(cfg, placement)
+
+
+def test_a_deterministic_run_needs_the_in_process_engine():
+    """rollout.deterministic is stepped by the rollout thread: refused, in one line naming the key,
+    where the trainer processes put the engine in its own process."""
+    from pace.config_checks import check_processes
+    from pace.errors import ConfigError
+    from pace.placement import Placement
+
+    cfg = OmegaConf.structured(Config)
+    cfg.rollout.deterministic = True
+    check_processes(cfg, Placement.of(cfg.rollout, "cpu", 1))  # one process on CPU: the engine in process
+    with pytest.raises(ConfigError, match=r"rollout.deterministic needs the in-process engine.*\(here: 2 processes on cpu\)"):
+        check_processes(cfg, Placement.of(cfg.rollout, "cpu", 2))
 
 
 @pytest.mark.parametrize("device, dtype, launcher, want", [
@@ -58,7 +79,7 @@ def test_a_stop_signal_sent_twice_at_once_is_one_stop_and_a_later_one_stops_now(
     import signal
     import time
 
-    from train import StopSignal
+    from pace.signals import StopSignal
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     monkeypatch.setattr(StopSignal, "REPEAT_S", 0.3)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from pace.checkpoint import save_weights
-from pace.rollout.worker import Validation
+from pace.rollout.val_requests import ValResult
 from pace.validation import BestCheckpoint, val_metrics
 
 
 def _validation(version, results, weights=None):
-    return Validation(version=version, results=results, seconds=1.5, response_len=20.0, weights=weights)
+    return ValResult(version=version, results=results, seconds=1.5, response_len=20.0, weights=weights)
 
 
 def test_val_metric_names_follow_design():
@@ -55,7 +55,7 @@ def test_save_weights_writes_a_loadable_directory(tmp_path, model_dir):
 def test_best_checkpoint_keeps_the_highest_average_within_n(tmp_path, model_dir):
     from safetensors.torch import load_file
 
-    best = BestCheckpoint(tmp_path, str(model_dir), within=20)
+    best = BestCheckpoint(tmp_path, str(model_dir), best_within=20)
     offers = [(0, 0.30, None), (10, 0.50, _weights(10.0)), (15, 0.50, _weights(15.0)),  # a tie keeps 10
               (20, 0.45, _weights(20.0)), (25, 0.90, _weights(25.0))]  # 25 is past N = 20
     kept = [best.offer(_validation(v, {}, w), avg) for v, avg, w in offers]
@@ -68,7 +68,7 @@ def test_best_checkpoint_keeps_the_highest_average_within_n(tmp_path, model_dir)
 
 
 def test_best_checkpoint_version_0_names_the_model_on_disk(tmp_path, model_dir):
-    best = BestCheckpoint(tmp_path, str(model_dir), within=None)
+    best = BestCheckpoint(tmp_path, str(model_dir), best_within=None)
     assert best.offer(_validation(0, {}), 0.4)
     assert best.offer(_validation(5, {}, _weights(5.0)), 0.3) is False
     assert best.best["path"] == str(model_dir) and not (tmp_path / "best").exists()
@@ -103,7 +103,7 @@ def test_a_blocking_backend_keeps_each_validated_version_until_its_validation_de
 
     run = tmp_path / "run"
     rollout = SimpleNamespace(val_started=None, next=10)
-    sync, best = _Sync(rollout, every=10), BestCheckpoint(run, str(model_dir), within=40)
+    sync, best = _Sync(rollout, every=10), BestCheckpoint(run, str(model_dir), best_within=40)
     avg = {10: 0.5, 20: 0.4, 30: 0.7, 40: 0.6, 50: 0.99}  # 50 is past N = 40
     decided = []
 
@@ -112,7 +112,7 @@ def test_a_blocking_backend_keeps_each_validated_version_until_its_validation_de
         return flag
 
     for v in range(1, 51):
-        publish(sync, v, best, rollout, decide, within=40)
+        publish(sync, v, best, rollout, decide, best_within=40)
         if v in avg:  # the validation arrives later than the copy (here: right after)
             assert best.candidate(v).is_dir() == (v <= 40)
             best.offer(_validation(v, {}), avg[v])
@@ -140,7 +140,7 @@ def test_shm_needs_no_candidate_and_a_validation_without_weights_keeps_the_previ
     rollout = SimpleNamespace(val_started=None, next=10)
     sync = _Sync(rollout, every=10)
     sync.backend = "pace_shm"
-    best = BestCheckpoint(tmp_path, str(model_dir), within=None)
+    best = BestCheckpoint(tmp_path, str(model_dir), best_within=None)
     publish(sync, 10, best, rollout)
     assert sync.gathered == [] and not best.candidate(10).exists()  # θ_10 comes with its validation
     assert best.offer(_validation(10, {}, _weights(10.0)), 0.4)
@@ -158,7 +158,7 @@ def test_a_failed_write_is_a_warning_and_the_previous_best_stays(tmp_path, model
     from pace.checkpoint import saved_version
 
     run = tmp_path / "run"
-    best = BestCheckpoint(run, str(model_dir), within=None)
+    best = BestCheckpoint(run, str(model_dir), best_within=None)
     best.offer(_validation(10, {}, _weights(10.0)), 0.5)
     best.saved(10)  # θ_10 is the checkpoint's: replacing it sets it aside first
 
@@ -183,14 +183,14 @@ def test_resume_finds_the_checkpoints_best_even_after_a_later_one_replaced_it(tm
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    best = BestCheckpoint(run, str(model_dir), within=None)
+    best = BestCheckpoint(run, str(model_dir), best_within=None)
     best.offer(_validation(10, {}, _weights(10.0)), 0.5)
     state = best.state_dict()  # the checkpoint of step 20 records it
     best.saved(20)
     best.offer(_validation(30, {}, _weights(30.0)), 0.7)
     assert (run / "best.checkpointed").is_dir()  # θ_10, for a resume from step 20
     best.keep_candidate(40, _weights(40.0))  # written, then the run stopped before its validation
-    resumed = BestCheckpoint(run, str(model_dir), within=None)
+    resumed = BestCheckpoint(run, str(model_dir), best_within=None)
     assert not resumed.candidates.exists() or not any(resumed.candidates.iterdir())
     resumed.load_state_dict(state)
     assert resumed.best["version"] == 10 and json.loads((run / "best.json").read_text())["version"] == 10
@@ -206,7 +206,7 @@ def test_resume_finds_the_checkpoints_best_even_after_a_later_one_replaced_it(tm
     from pace.errors import ConfigError
 
     with pytest.raises(ConfigError, match="resume: the checkpoint's best θ_10 is neither in"):
-        BestCheckpoint(run, str(model_dir), within=None).load_state_dict(state)
+        BestCheckpoint(run, str(model_dir), best_within=None).load_state_dict(state)
 
 
 class _Killed(BaseException):
@@ -226,7 +226,7 @@ def test_a_kill_between_the_new_best_and_best_json_resumes_with_the_checkpoints_
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    best = BestCheckpoint(run, str(model_dir), within=None)
+    best = BestCheckpoint(run, str(model_dir), best_within=None)
     best.keep_candidate(10, _weights(10.0))
     best.offer(_validation(10, {}), 0.5)
     state = best.state_dict()
@@ -236,7 +236,7 @@ def test_a_kill_between_the_new_best_and_best_json_resumes_with_the_checkpoints_
         _killed_at(m, BestCheckpoint, "_write")
         with pytest.raises(_Killed):
             best.offer(_validation(30, {}), 0.7)
-    resumed = BestCheckpoint(run, str(model_dir), within=None)
+    resumed = BestCheckpoint(run, str(model_dir), best_within=None)
     resumed.load_state_dict(state)
     assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
     assert json.loads((run / "best.json").read_text())["version"] == 10
@@ -251,7 +251,7 @@ def test_a_kill_inside_save_weights_resumes_with_the_previous_best(tmp_path, mod
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    best = BestCheckpoint(run, str(model_dir), within=None)
+    best = BestCheckpoint(run, str(model_dir), best_within=None)
     best.offer(_validation(10, {}, _weights(10.0)), 0.5)
     state = best.state_dict()  # not `saved`: θ_10 is replaced in place, not set aside
     rename = Path.rename
@@ -266,7 +266,7 @@ def test_a_kill_inside_save_weights_resumes_with_the_previous_best(tmp_path, mod
         with pytest.raises(_Killed):
             best.offer(_validation(30, {}, _weights(30.0)), 0.7)
     assert not (run / "best").exists() and (run / "best.old").is_dir()
-    resumed = BestCheckpoint(run, str(model_dir), within=None)
+    resumed = BestCheckpoint(run, str(model_dir), best_within=None)
     resumed.load_state_dict(state)
     assert torch.equal(load_file(run / "best" / "model.safetensors")["a.weight"], torch.full((2, 3), 10.0))
     assert sorted(p.name for p in run.iterdir()) == ["best", "best.json"]

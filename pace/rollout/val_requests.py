@@ -1,6 +1,8 @@
-"""In-training validation on the rollout engines (`eval.every`). A mixin of `RolloutWorker`;
-state: ``_val`` (the run in progress), ``_val_next``, ``validations`` (the queue to the trainer
-thread), ``validated_version``.
+"""In-training validation requests on the rollout engines (`eval.every`): the rollout thread's
+side, which submits them and hands each finished one to the trainer thread as a `ValResult`
+(the trainer's side, the logged rows and the best checkpoint: pace/validation.py). A mixin of
+`RolloutWorker`; state: ``_val`` (the run in progress), ``_val_next``, ``val_results`` (the queue
+to the trainer thread), ``validated_version``.
 
 Right after θ_v loads for a due v, the validation set is submitted (one n = k request per problem,
 ahead of rollout work) and further weight updates are held until it is graded, so every
@@ -22,7 +24,7 @@ from pace.rollout import request_ids
 
 
 @dataclass
-class Validation:
+class ValResult:
     """mean@k of θ_version on the validation sets, handed to the trainer thread."""
 
     version: int
@@ -32,7 +34,7 @@ class Validation:
     weights: list | None  # θ_version as (name, tensor); None for version 0 (the model on disk)
 
 
-class ValidationMixin:
+class ValRequestsMixin:
     val_started: int | None = None  # the version whose validation was last submitted
 
     def _maybe_validate(self, weights) -> None:
@@ -46,7 +48,8 @@ class ValidationMixin:
         self._val_next = (v // every + 1) * every
         params = evaluation.sampling_params(self.cfg, self.tokenizer, seeded=False, k=self.cfg.eval.val_k)
         run = evaluation.EvalRun(self.val_sets, params, self.grader,
-                                 prefix=request_ids.validation_prefix(v), answer_timeout_s=self.cfg.reward.timeout_s / self.group_size,
+                                 prefix=request_ids.validation_prefix(v),
+                                 answer_timeout_s=self.cfg.reward.timeout_s / self.group_size,
                                  tools=evaluation.tool_runner(self.cfg, self.tokenizer, on_done=self._wake.set))
         run.submit(self.fleet, priority=engine_lib.VALIDATION_PRIORITY, salt=engine_lib.cache_salt(v))
         self._val = (run, v, weights() if weights is not None else None, time.perf_counter())
@@ -62,16 +65,16 @@ class ValidationMixin:
         if self.engine_version != version:  # the hold in _apply_update guarantees this
             raise RuntimeError(f"validation of θ_{version} ran into a weight update (engine at θ_{self.engine_version})")
         response_len = sum(run.lengths) / max(len(run.lengths), 1)
-        self.validations.put(Validation(version, run.results, time.perf_counter() - t0, response_len, weights))
+        self.val_results.put(ValResult(version, run.results, time.perf_counter() - t0, response_len, weights))
         self.validated_version = version
         self._wake.set()
         return True
 
-    def drain_validations(self) -> list[Validation]:
-        """Validations finished since the last call (trainer thread)."""
+    def drain_val_results(self) -> list[ValResult]:
+        """The results of the validations finished since the last call (trainer thread)."""
         out = []
         while True:
             try:
-                out.append(self.validations.get_nowait())
+                out.append(self.val_results.get_nowait())
             except queue.Empty:
                 return out
