@@ -30,6 +30,7 @@ from pace import selection
 from pace.config import register
 from pace.config_checks import validate
 from pace.errors import ConfigError
+from pace.placement import Placement
 
 register()
 
@@ -67,7 +68,8 @@ def main(cfg: DictConfig) -> None:
     from pace.grading_job import GraderError
 
     k = cfg.eval.k
-    llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed)
+    placement = Placement.of(cfg.rollout, device, world=1)  # the engine's weight-transfer backend, as a run's
+    llm = engine_lib.build_engine(model_path, cfg.rollout, cfg.model.dtype, cfg.seed, backend=placement.transfer)
     # Grading jobs hold ~GRADE_ANSWERS answers; reward.timeout_s is the deadline of a training
     # group's G answers, so each job's deadline is that per answer times the job's size.
     try:

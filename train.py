@@ -120,7 +120,7 @@ def run(cfg: DictConfig) -> None:
     trainer = DAPOTrainer(model_path, cfg, accelerator)
     config = OmegaConf.to_container(cfg, resolve=True)
 
-    rollout = pool = logger = llm = grader = best = val_rows = parts = sync = None
+    rollout = pool = logger = fleet = grader = best = val_rows = parts = sync = None
     if main_rank:
         from pace.algo.advantages import is_informative
         from pace.grading import Grader
@@ -138,12 +138,12 @@ def run(cfg: DictConfig) -> None:
         deafen_children()
         grader = Grader(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                         max_failed_in_row=cfg.reward.max_failed_in_row)
-        llm = engine_lib.build_fleet(model_path, cfg, device, world, tokenizer=tokenizer, log_dir=run_dir)
+        fleet = engine_lib.build_fleet(model_path, cfg, placement, tokenizer=tokenizer, log_dir=run_dir)
         if val_sets is not None:
             from pace.validation import BestCheckpoint, ValRows
 
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
-        rollout = RolloutWorker(llm, tokenizer, sampler, pool, grader, cfg, val_sets)
+        rollout = RolloutWorker(fleet, tokenizer, sampler, pool, grader, cfg, val_sets)
         if best is not None:
             from pace.selection import val_k
 
@@ -278,7 +278,7 @@ def run(cfg: DictConfig) -> None:
                 best.close()  # candidates of validations that will not come (a resume redoes them)
                 summary.update(best.summary())
             logger.close(pool.remaining() if saved is None else [], summary)
-            engine_lib.shutdown(llm, timeout=2.0)  # deaf to SIGTERM (pace/signals.py): killed after 2 s
+            fleet.shutdown(timeout=2.0)  # deaf to SIGTERM (pace/signals.py): killed after 2 s
             if sync is not None:
                 sync.close()
             pool.check_accounting()

@@ -13,6 +13,7 @@ import csv
 import io
 from collections.abc import Callable
 
+from pace.rollout import request_ids
 from pace.tasks.base import Prompt
 
 ARITH_SETS = {f"arith_l{level}": level for level in (1, 2, 3, 4)}  # the tiny val split, by level
@@ -184,7 +185,7 @@ class EvalRun:
                     for j in range(self.params.n):
                         self._add_turn((name, i, j), ids, [], 0)
                     continue
-                rid = f"{self.prefix}-{name}-{i}"
+                rid = request_ids.evaluation(self.prefix, name, i)
                 self._requests[rid] = (name, i)
                 prompt = {"prompt": p.text} if salt is None else {"prompt": p.text, "cache_salt": salt}
                 engine.add_request(rid, prompt, self.params, priority=priority)
@@ -216,7 +217,7 @@ class EvalRun:
         from vllm.sampling_params import RequestOutputKind
 
         name, i, j = key
-        rid = f"{self.prefix}-{name}-{i}-{j}" + (f"-{turn}" if turn else "")
+        rid = request_ids.evaluation(self.prefix, name, i, j, turn)
         p = self.params
         seed = None if p.seed is None else p.seed + j + 100_003 * turn  # k distinct samples, seeded
         params = SamplingParams(n=1, max_tokens=p.max_tokens - len(response), temperature=p.temperature, top_p=p.top_p,

@@ -31,7 +31,7 @@ class Placement:
     world: int  # trainer processes
     mode: str  # the engine process: inproc, child or server
     backend: str  # shm, gloo, nccl or ipc
-    gpus: tuple[tuple[int, ...], ...] | None  # each engine's GPU ids (separate placement on CUDA), else None
+    gpus: tuple[tuple[int, ...], ...] | None  # each engine's GPU ids (on CUDA, separate or servers), else None
 
     @property
     def transfer(self) -> str:
@@ -42,10 +42,11 @@ class Placement:
     def of(cls, rollout_cfg, device: str, world: int, local_trainers: int | None = None) -> Placement:
         """The placement `rollout` describes for ``world`` trainer processes on ``device``;
         ``local_trainers``: those on this node (default: the launcher's LOCAL_WORLD_SIZE, else ``world``),
-        the GPUs engines start after."""
+        the GPUs engines start after. Servers this run starts get GPUs of their own whatever
+        `rollout.placement` says (their process never shares the trainer's GPU)."""
         mode = engine_mode(rollout_cfg, device, world)
         gpus = None
-        if device == "cuda" and rollout_cfg.placement == "separate":
+        if device == "cuda" and (rollout_cfg.placement == "separate" or mode == "server"):
             local = local_trainers if local_trainers is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
             gpus = tuple(tuple(g) for g in engine_gpus(rollout_cfg, local))
         return cls(device=device, world=world, mode=mode, backend=backend_kind(rollout_cfg, device), gpus=gpus)

@@ -24,6 +24,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from pace.config import RolloutConfig
+    from pace.placement import Placement
     from pace.rollout import engine as engine_lib
     from pace.tiny import TinySpec, build_tiny
 
@@ -38,7 +39,8 @@ def main() -> None:
         engine_lib.shutdown(llm)
     t0 = time.monotonic()
     # GPU ids make them build at once (a CPU build of vLLM ignores CUDA_VISIBLE_DEVICES)
-    llms = engine_lib.build_engines(model, cfg, dtype, 0, "child", None, placement=[[e] for e in range(args.engines)])
+    placement = Placement(device="cpu", world=1, mode="child", backend="shm", gpus=tuple((e,) for e in range(args.engines)))
+    llms = engine_lib.build_engines(model, cfg, dtype, 0, placement, transfer=False)
     at_once = time.monotonic() - t0
     for llm in llms:
         engine_lib.shutdown(llm)

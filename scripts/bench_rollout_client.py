@@ -52,10 +52,12 @@ def _params(max_tokens: int):
 
 
 def run_raw(llm, prompts, params, g: int) -> int:
+    from pace.rollout import request_ids
+
     engine = llm.llm_engine
     for p, ids in enumerate(prompts):
         for i in range(g):
-            engine.add_request(f"g{p}-{i}", {"prompt_token_ids": ids}, params)
+            engine.add_request(request_ids.response(p, i), {"prompt_token_ids": ids}, params)
     tokens = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -65,13 +67,15 @@ def run_raw(llm, prompts, params, g: int) -> int:
 
 def run_fleet(fleet, prompts, params, g: int) -> int:
     from pace.records import Trajectory
+    from pace.rollout import request_ids
 
     trajs = {}
     for p, ids in enumerate(prompts):
         for i in range(g):
-            rid = f"g{p}-{i}"
+            rid = request_ids.response(p, i)
             trajs[rid] = Trajectory()
-            fleet.add_request(rid, {"prompt_token_ids": ids, "cache_salt": "bench"}, params, group=f"g{p}")
+            fleet.add_request(rid, {"prompt_token_ids": ids, "cache_salt": "bench"}, params,
+                              group=request_ids.group_key(request_ids.RESPONSE, p))
     tokens = 0
     while fleet.has_unfinished_requests():
         for out in fleet.step():
@@ -123,6 +127,7 @@ def main() -> None:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
+    from pace.placement import Placement
     from pace.rollout import server
     from pace.rollout.fleet import EngineFleet
     from pace.rollout.remote import RemoteFleet
@@ -136,8 +141,9 @@ def main() -> None:
 
     llm = engine_lib.build_engine(path, cfg.rollout, cfg.model.dtype, cfg.seed, mode="inproc", backend=None)
     torch._C.set_num_threads(cfg.rollout.cpu_threads)
-    local = server.launch_local(path, OmegaConf.merge(cfg, {"rollout": {"engines": 1}}), "cpu",
-                                Path(os.environ.get("TMPDIR", "/tmp")) / "bench_rollout_client", backend=None)
+    one = OmegaConf.merge(cfg, {"rollout": {"engines": 1}})
+    local = server.launch_local(path, one, Placement.of(one.rollout, "cpu", world=1),
+                                Path(os.environ.get("TMPDIR", "/tmp")) / "bench_rollout_client", transfer=False)
     remote = RemoteFleet([s.url for s in local], tok, "cpu", local)
     ways = {"raw": lambda: run_raw(llm, prompts, params, g), "inhost": lambda: run_fleet(EngineFleet([llm]), prompts, params, g),
             "remote": lambda: run_fleet(remote, prompts, params, g)}

@@ -113,8 +113,9 @@ def main() -> None:
     import requests
     from omegaconf import OmegaConf
 
-    from pace.rollout import server
     from pace.net import free_port
+    from pace.placement import Placement
+    from pace.rollout import server
     from pace.tiny import build_tiny
 
     cfg = _cfg()
@@ -140,7 +141,8 @@ def main() -> None:
             return
         out = _generate(url, 0, 8)["choices"][0]
         print(f"weight_versions of a DP response: {out.get('weight_versions')}", flush=True)
-        plain = server.launch_local(model, OmegaConf.merge(cfg, {"rollout": {"engines": 2}}), "cpu", logs, backend=None)
+        two = OmegaConf.merge(cfg, {"rollout": {"engines": 2}})
+        plain = server.launch_local(model, two, Placement.of(two.rollout, "cpu", world=1), logs, transfer=False)
         ways = {"DP pair, one URL": [url], "two servers": [s.url for s in plain]}
         for urls in ways.values():  # warm-up
             _rate(urls, args.requests, 8)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pace.placement import _LAUNCHER_ENV, backend_kind, engine_gpus, engine_mode, transfer_backend, visible_devices
+from pace.placement import _LAUNCHER_ENV, SHM_TRANSFER, Placement, backend_kind, visible_devices
 
 
 def configure_environment(rollout_cfg, device: str) -> None:
@@ -68,13 +68,11 @@ def _engine_process_env(mode: str, gpus: list[int] | None, cache_root: str | Non
                 os.environ[k] = v
 
 
-def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str = "inproc", backend: str | None = "auto",
-                 gpus: list[int] | None = None):
+def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str = "inproc",
+                 backend: str | None = SHM_TRANSFER, gpus: list[int] | None = None):
     """One vLLM engine (`LLM`). ``mode`` places its core; ``backend`` enables vLLM's weight
-    transfer (``auto``: `rollout.weight_transfer` for this machine; pace's shm backend is
-    registered in the worker by `worker_extension_cls`; None: no weight transfer)."""
-    if backend == "auto":
-        backend = transfer_backend(rollout_cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    transfer (a `Placement.transfer`; by default pace's shared-memory backend, which `load_weights`
+    uses, registered in the worker by `worker_extension_cls`; None: no weight transfer)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "child" else "0"
     with _engine_process_env(mode, gpus):
         return _new_llm(model_path, rollout_cfg, dtype, seed, backend)
@@ -121,9 +119,10 @@ def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str |
     return llm
 
 
-def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str, backend: str | None,
-                  placement: list[list[int]] | None = None) -> list:
-    """`rollout.engines` engines (engine e seeded ``seed + e``, on ``placement[e]``'s GPUs).
+def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, placement: Placement,
+                  transfer: bool = True) -> list:
+    """`rollout.engines` engines placed as ``placement`` says (engine e seeded ``seed + e``, on
+    ``placement.gpus[e]`` if given), with its weight-transfer backend (``transfer=False``: none).
 
     Out-of-process engines (``child``) on GPUs of their own are built at once, each `LLM(...)` in a
     thread of its own: nearly all of a build (loading the weights, profiling memory, compiling,
@@ -144,10 +143,9 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str
     Engines e ≥ 1 keep their compile caches apart (VLLM_CACHE_ROOT/pace-engine-e): separate `LLM`s
     share vLLM's cache directory (rank 0 of data-parallel rank 0 each) and would write it at once.
     In-process engines share this process's vLLM state: built one after another."""
-    if backend == "auto":
-        backend = transfer_backend(rollout_cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    gpus = placement or [None] * rollout_cfg.engines
-    own_gpus = placement is not None and len({g for ids in placement for g in ids}) == sum(map(len, placement))
+    mode, backend = placement.mode, placement.transfer if transfer else None
+    gpus = [list(ids) for ids in placement.gpus] if placement.gpus is not None else [None] * rollout_cfg.engines
+    own_gpus = placement.gpus is not None and len({g for ids in gpus for g in ids}) == sum(map(len, gpus))
     if mode != "child" or len(gpus) == 1 or not own_gpus:
         return [build_engine(model_path, rollout_cfg, dtype, seed + e, mode, backend, gpus[e])
                 for e in range(len(gpus))]
@@ -219,21 +217,18 @@ def _started_core(before: set[int], build, engine: int, timeout_s: float, poll_s
         time.sleep(poll_s)
 
 
-def build_fleet(model_path: str, cfg, device: str, world_size: int, version: int = 0, tokenizer=None,
+def build_fleet(model_path: str, cfg, placement: Placement, version: int = 0, tokenizer=None,
                 log_dir: str | None = None):
-    """The rollout engines of a run (rank 0), labelled with weight version ``version``. Server mode:
-    `rollout.servers`, or `rollout.engines` servers started here (logs in ``log_dir``)."""
+    """The rollout engines of a run (rank 0) where ``placement`` puts them, labelled with weight
+    version ``version``. Server mode: `rollout.servers`, or `rollout.engines` servers started here
+    (logs in ``log_dir``)."""
     from pace.rollout.fleet import EngineFleet
 
-    mode = engine_mode(cfg.rollout, device, world_size)
-    backend = transfer_backend(cfg.rollout, device)
-    if mode == "server":
+    if placement.mode == "server":
         from pace.rollout import remote
 
-        return remote.build(model_path, cfg, device, tokenizer, backend, log_dir, version)
-    local_trainers = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # trainer processes (GPUs) on this node
-    placement = engine_gpus(cfg.rollout, local_trainers) if device == "cuda" and cfg.rollout.placement == "separate" else None
-    fleet = EngineFleet(build_engines(model_path, cfg.rollout, cfg.model.dtype, cfg.seed, mode, backend, placement))
+        return remote.build(model_path, cfg, placement, tokenizer, log_dir, version)
+    fleet = EngineFleet(build_engines(model_path, cfg.rollout, cfg.model.dtype, cfg.seed, placement))
     fleet.set_version(version)
     return fleet
 
@@ -275,11 +270,8 @@ def cache_salt(version: int) -> str:
 
 
 def shutdown(llm, timeout: float | None = None) -> None:
-    """Shut an `LLM` or an `EngineFleet` down (``timeout``: `EngineFleet.shutdown`)."""
-    if hasattr(llm, "llm_engine"):
-        llm.llm_engine.engine_core.shutdown(timeout=timeout)
-    else:
-        llm.shutdown(timeout=timeout)
+    """Shut an `LLM` down (``timeout``: `EngineFleet.shutdown`; a fleet has its own `shutdown`)."""
+    llm.llm_engine.engine_core.shutdown(timeout=timeout)
 
 
 def scoring_params():
@@ -300,15 +292,18 @@ def rescore(llm, sequences: list[tuple[list[int], int]]) -> list[list[float]]:
     Only for a caller that owns the engine exclusively (tests, evaluation); the rollout thread
     routes scoring requests through its own step loop instead.
     """
+    from pace.rollout import request_ids
+
     engine = llm.llm_engine
     params = scoring_params()
-    for i, (ids, _) in enumerate(sequences):
-        engine.add_request(f"rescore-{i}", {"prompt_token_ids": ids}, params)
+    index = {request_ids.scoring(0, i): i for i in range(len(sequences))}
+    for rid, i in index.items():
+        engine.add_request(rid, {"prompt_token_ids": sequences[i][0]}, params)
     results: dict[int, list[float]] = {}
     while len(results) < len(sequences):
         for out in engine.step():
-            if out.finished and out.request_id.startswith("rescore-"):
-                i = int(out.request_id.split("-")[1])
+            i = index.get(out.request_id)
+            if out.finished and i is not None:
                 ids, start = sequences[i]
                 results[i] = prompt_token_logprobs(out, ids, start)
     return [results[i] for i in range(len(sequences))]

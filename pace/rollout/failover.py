@@ -21,15 +21,15 @@ from __future__ import annotations
 import sys
 
 from pace.errors import EngineFailed
+from pace.rollout import request_ids
 
 
 class FailoverMixin:
     def _check_engines(self) -> bool:
-        take = getattr(self.engine, "take_failures", None)
-        failures = take() if take is not None else []
+        failures = self.fleet.take_failures()
         for f in failures:
             self.stats["engine_failures"] += 1
-            alive = len(self.engine.alive)
+            alive = len(self.fleet.alive)
             if self.cfg.rollout.on_engine_failure == "stop" or not alive:
                 why = "no rollout engine is left" if not alive else "rollout.on_engine_failure=stop"
                 raise EngineFailed(f"rollout engine {f.index} ({f.url}) failed: {f.cause} ({why})")
@@ -38,21 +38,22 @@ class FailoverMixin:
             self._recover(f.request_ids)
         return bool(failures)
 
-    def _recover(self, request_ids: list[str]) -> None:
+    def _recover(self, lost: list[str]) -> None:
         scoring = set()
-        for rid in request_ids:
+        for rid in lost:
             self.stats["failover_requests"] += 1
-            if rid[0] == "s":
-                scoring.add(int(rid[1:].split("-")[0]))
-            elif rid[0] == "v":
-                self._val[0].resubmit(self.engine, rid)
+            parsed = request_ids.parse(rid)
+            if parsed.kind == request_ids.SCORING:
+                scoring.add(parsed.group)
+            elif parsed.kind == request_ids.VALIDATION:
+                self._val[0].resubmit(self.fleet, rid)
             else:
-                self._recover_response(rid)
+                self._recover_response(parsed)
         for gid in scoring:
             job = self._rescoring.pop(gid, None)
             if job is not None:
-                self.engine.abort_request([f"s{gid}-{i}" for i in range(len(job.group.trajectories))])
-                self.engine.release_group(f"s{gid}")
+                self.fleet.abort_request([request_ids.scoring(gid, i) for i in range(len(job.group.trajectories))])
+                self.fleet.release_group(request_ids.group_key(request_ids.SCORING, gid))
                 self.stats["rescore_cancelled"] += len(job.group.trajectories) - len(job.distances)
         if not self._rescoring and self._rescore_started is not None:
             import time
@@ -60,8 +61,8 @@ class FailoverMixin:
             self.stats["rescore_s"] += time.perf_counter() - self._rescore_started
             self._rescore_started = None
 
-    def _recover_response(self, rid: str) -> None:
-        gid, idx = (int(x) for x in rid[1:].split("-")[:2])
+    def _recover_response(self, rid: request_ids.RequestId) -> None:
+        gid, idx = rid.group, rid.index
         pending = self._pending[gid]
         traj = pending.responses.get(idx)
         start = pending.turn_start.get(idx, 0)

@@ -1,6 +1,10 @@
-"""The rollout engines as one: `rollout.engines` data-parallel vLLM engines behind the request
-interface of a single `LLMEngine` (`add_request`, `abort_request`, `step`,
-`has_unfinished_requests`), used only from the rollout thread.
+"""The rollout engines as one fleet: the interface the rollout thread and the weight sync use
+(`Fleet`), and the fleet of engines in this host (`EngineFleet`; vLLM HTTP servers:
+`RemoteFleet`, pace/rollout/remote.py).
+
+`EngineFleet`: `rollout.engines` data-parallel vLLM engines behind the request interface of a
+single `LLMEngine` (`add_request`, `abort_request`, `step`, `has_unfinished_requests`), used only
+from the rollout thread.
 
 Each engine is a vLLM `LLM` whose engine core runs either in this process
 (`rollout.engine_process=inproc`: `step()` runs the model here, between our calls) or in its own
@@ -16,12 +20,153 @@ the version set by `set_weight_version` (`CompletionOutput.weight_versions`).
 """
 from __future__ import annotations
 
+import abc
 import queue
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 
-class EngineFleet:
+class Fleet(abc.ABC):
+    """The rollout engines, as the rollout thread (requests, from its thread only) and the weight
+    sync (updates) use them. A weight update is one sequence on every fleet (`update`): the engines
+    paused between two steps (`begin_update`), the weights received (`load`), the load finished and
+    checked, the version label set and the engines resumed (`end_update`); a backend whose trainer
+    side drives the transfer (nccl, gloo, ipc) calls the three itself.
+
+    What only a fleet of servers has (engines that fail and are taken out, a transfer group formed
+    again, per-engine sync times) has harmless defaults here: an engine in this host that fails
+    fails the run."""
+
+    version: int | None = None  # the label of the weights loaded (vLLM stamps each token with it)
+    device_type: str = "cpu"  # the engines' device
+    in_process = False  # every engine steps in this process (the rollout's stamps are exact)
+    needs_regroup = False  # an engine was taken out: the weight-transfer group is formed again
+
+    # --- requests (the rollout thread) ------------------------------------------------------
+    @abc.abstractmethod
+    def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None) -> None:
+        """Send a request; those of one ``group`` key go to one engine (pace/rollout/request_ids.py)."""
+
+    @abc.abstractmethod
+    def abort_request(self, request_ids: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    def holds(self, request_id: str) -> bool:
+        """Whether a request of that id is in an engine, unfinished."""
+
+    @abc.abstractmethod
+    def release_group(self, group: str) -> None:
+        """The group's requests are done: its key no longer binds an engine."""
+
+    @abc.abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @abc.abstractmethod
+    def step(self, timeout: float = 0.01) -> list:
+        """The outputs the engines produced since the last call (vLLM `RequestOutput`s, DELTA)."""
+
+    @abc.abstractmethod
+    def partial_versions(self, request_id: str, n: int):
+        """The versions of the first ``n`` output tokens of an unfinished request, or None."""
+
+    def reset_prefix_cache_if_idle(self) -> None:
+        """Free the cached prefixes of idle engines: after an update, entries of earlier weights are
+        unreachable (salted by version). By default nothing: the engine evicts them as needed."""
+
+    @abc.abstractmethod
+    def shutdown(self, timeout: float | None = None) -> None: ...
+
+    # --- engines that fail ------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def alive(self) -> list[int]:
+        """The indices of the engines in service."""
+
+    def take_failures(self) -> list:
+        """Engines failed since the last call, each with the requests it held (pace/rollout/failover.py)."""
+        return []
+
+    def wait_failed(self, alive_before: set[int], timeout: float = 5.0):
+        """An engine of ``alive_before`` found failed within ``timeout`` s, or None."""
+        return None
+
+    def sync_seconds(self) -> dict[int, float]:
+        """Seconds each engine spent in weight-update calls, summed over the run ({}: not timed)."""
+        return {}
+
+    # --- weights (the rollout thread, or the trainer before it starts) ----------------------
+    @abc.abstractmethod
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Every engine joins the weight-transfer group (with ranks: each engine's workers after
+        those of the engines before it, from ``init_info["rank_offset"]``)."""
+
+    @abc.abstractmethod
+    def transfer_workers(self) -> int:
+        """The weight-transfer ranks of the engines in service (every engine's TP × PP workers)."""
+
+    def update(self, version: int | None, update_info: dict) -> float:
+        """Load one weight update into every engine; its tokens from here on are labelled
+        ``version`` (None: the label stays). Returns the seconds it took (the engines are paused
+        meanwhile, resumed if the load fails)."""
+        t0 = time.perf_counter()
+        self.begin_update()
+        try:
+            self.load(update_info)
+        except BaseException:
+            self._resume()
+            raise
+        self.end_update(version)
+        return time.perf_counter() - t0
+
+    @abc.abstractmethod
+    def begin_update(self) -> None:
+        """Pause every engine between two steps (requests kept) and start the update (resumed if that fails)."""
+
+    @abc.abstractmethod
+    def load(self, update_info: dict) -> None: ...
+
+    def end_update(self, version: int | None) -> None:
+        """Finish the update on every engine, then fail it (`IncompleteWeightUpdate`, the version
+        label unchanged) if any worker's checks found layers without the sent weights; the
+        engines are resumed either way."""
+        from pace.weights.reload import IncompleteWeightUpdate
+
+        try:
+            self._finish_update()
+            failures = [f for f in self._update_failures() if f]
+            if failures:
+                more = f" (and {len(failures) - 1} more workers)" if len(failures) > 1 else ""
+                raise IncompleteWeightUpdate(failures[0] + more)
+            if version is not None:
+                self.set_version(version)
+        finally:
+            self._resume()
+
+    @abc.abstractmethod
+    def _finish_update(self) -> None:
+        """vLLM's `finish_weight_update` on every engine."""
+
+    @abc.abstractmethod
+    def _update_failures(self) -> list:
+        """Each worker's reload check of the update (pace/weights/reload.py): a message, or None."""
+
+    @abc.abstractmethod
+    def _resume(self) -> None:
+        """Resume the engines paused by `begin_update`."""
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None: ...
+
+    @abc.abstractmethod
+    def fingerprint_updates(self) -> None:
+        """Every worker fingerprints the weights it receives from the next update on (pace/weights/fingerprint.py)."""
+
+    @abc.abstractmethod
+    def fingerprints(self) -> list:
+        """Each worker's fingerprints of its last update, in engine order."""
+
+
+class EngineFleet(Fleet):
     def __init__(self, llms: list):
         self.llms = list(llms)
         self.engines = [llm.llm_engine for llm in self.llms]
@@ -37,6 +182,14 @@ class EngineFleet:
     def in_process(self) -> bool:
         return not any(self.child)
 
+    @property
+    def alive(self) -> list[int]:
+        """Every engine (one in this host that fails fails the run)."""
+        return list(range(len(self.engines)))
+
+    def transfer_workers(self) -> int:
+        return sum(e.vllm_config.parallel_config.world_size for e in self.engines)  # TP × PP each
+
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None) -> None:
         if group is not None and group in self._group_engine:
@@ -50,7 +203,6 @@ class EngineFleet:
         self._load[i] += 1
 
     def holds(self, request_id: str) -> bool:
-        """Whether a request of that id is in an engine, unfinished."""
         return request_id in self._owner
 
     def release_group(self, group: str) -> None:
@@ -153,20 +305,6 @@ class EngineFleet:
             infos.append({"init_info": info})
         self._each("init_weight_transfer_engine", infos)
 
-    def update(self, version: int | None, update_info: dict) -> float:
-        """Load one weight update into every engine; its tokens from here on are labelled
-        ``version`` (None: the label stays). Returns the seconds it took (out-of-process engines
-        are paused meanwhile)."""
-        t0 = time.perf_counter()
-        self.begin_update()
-        try:
-            self.load(update_info)
-        except BaseException:
-            self._resume()
-            raise
-        self.end_update(version)
-        return time.perf_counter() - t0
-
     def begin_update(self) -> None:
         for e, child in zip(self.engines, self.child):
             if child:  # its core steps on its own: hold it between two steps (requests kept)
@@ -180,21 +318,11 @@ class EngineFleet:
     def load(self, update_info: dict) -> None:
         self.collective_rpc("update_weights", {"update_info": update_info})
 
-    def end_update(self, version: int | None) -> None:
-        """Finish the update on every engine, then fail it (`IncompleteWeightUpdate`, the version
-        label unchanged) if any worker's checks found layers without the sent weights."""
-        from pace.weights.reload import IncompleteWeightUpdate
+    def _finish_update(self) -> None:
+        self.collective_rpc("finish_weight_update")
 
-        try:
-            self.collective_rpc("finish_weight_update")
-            failures = [f for f in self.collective_rpc("pace_weight_update_failure") if f]
-            if failures:
-                more = f" (and {len(failures) - 1} more workers)" if len(failures) > 1 else ""
-                raise IncompleteWeightUpdate(failures[0] + more)
-            if version is not None:
-                self.set_version(version)
-        finally:
-            self._resume()
+    def _update_failures(self) -> list:
+        return self.collective_rpc("pace_weight_update_failure")
 
     def _resume(self) -> None:
         for e, child in zip(self.engines, self.child):
@@ -206,7 +334,6 @@ class EngineFleet:
         self.collective_rpc("pace_fingerprint_updates")
 
     def fingerprints(self) -> list:
-        """Each worker's fingerprints of its last update, in engine order."""
         return self.collective_rpc("pace_weight_fingerprint")
 
     def set_version(self, version: int) -> None:

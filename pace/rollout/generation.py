@@ -19,6 +19,7 @@ import numpy as np
 from pace.algo.advantages import correctness_reward, group_advantages, overlong_penalty
 from pace.records import Group, Trajectory
 from pace.rollout import engine as engine_lib
+from pace.rollout import request_ids
 from pace.tools.runner import is_tool_stop
 
 
@@ -27,7 +28,7 @@ class _Pending:
     group: Group
     remaining: int
     responses: dict[int, Trajectory] = field(default_factory=dict)
-    turns: dict[int, int] = field(default_factory=dict)  # multi-turn: response → current turn (request id suffix)
+    turns: dict[int, int] = field(default_factory=dict)  # multi-turn: response → current turn (its request id's)
     turn_start: dict[int, int] = field(default_factory=dict)  # response → index of its current turn's first token
     tool_wait: set[int] = field(default_factory=set)  # responses whose program is running (multi-turn)
     # response → index of the first token the model wrote after its last tool output (where the
@@ -35,8 +36,12 @@ class _Pending:
     code_from: dict[int, int] = field(default_factory=dict)
 
     def request_id(self, i: int) -> str:
-        turn = self.turns.get(i, 0)
-        return f"g{self.group.id}-{i}" if turn == 0 else f"g{self.group.id}-{i}-{turn}"
+        return request_ids.response(self.group.id, i, self.turns.get(i, 0))
+
+    @property
+    def key(self) -> str:
+        """The group key that keeps its requests on one engine."""
+        return request_ids.group_key(request_ids.RESPONSE, self.group.id)
 
 
 class VersionMismatch(RuntimeError):
@@ -80,19 +85,20 @@ class GenerationMixin:
     def _start_response(self, pending: _Pending, i: int) -> None:
         """Response ``i`` from the prompt, salted with the weights loaded now."""
         prompt = {"prompt_token_ids": pending.group.prompt_ids, "cache_salt": engine_lib.cache_salt(self.engine_version)}
-        self.engine.add_request(pending.request_id(i), prompt, self.params, group=f"g{pending.group.id}")
+        self.fleet.add_request(pending.request_id(i), prompt, self.params, group=pending.key)
 
     def _consume(self, outputs) -> None:
         version = self.engine_version  # every token of this step came from these weights (in-process)
         for out in outputs:
-            if out.request_id[0] == "s":
+            rid = request_ids.parse(out.request_id)
+            if rid.kind == request_ids.SCORING:
                 if out.finished:
                     self._consume_score(out)
                 continue
-            if out.request_id[0] == "v":
+            if rid.kind == request_ids.VALIDATION:
                 self._val[0].on_output(out)
                 continue
-            gid, idx = (int(x) for x in out.request_id[1:].split("-")[:2])
+            gid, idx = rid.group, rid.index
             pending = self._pending[gid]
             traj = pending.responses.get(idx)
             if traj is None:
@@ -119,7 +125,7 @@ class GenerationMixin:
         versions = span_versions(spans)
         if len(versions) != len(traj) - start:
             raise VersionMismatch(f"weight_versions cover {len(versions)} tokens, the turn has {len(traj) - start}")
-        if self.engine.in_process:
+        if self.fleet.in_process:
             if not np.array_equal(versions, traj.versions[start:]):
                 raise VersionMismatch(f"weight_versions {[(s.version, s.start, s.end) for s in spans]} disagree with "
                                       f"the rollout's stamps {traj.versions[start:].tolist()}")
@@ -135,7 +141,7 @@ class GenerationMixin:
 
     def _finish_group(self, pending: _Pending) -> None:
         del self._pending[pending.group.id]
-        self.engine.release_group(f"g{pending.group.id}")
+        self.fleet.release_group(pending.key)
         group = pending.group
         group.trajectories = [pending.responses[i] for i in range(self.group_size)]
         # graded on the model's own tokens: in a tool rollout a program printing "Answer: ..." must not answer

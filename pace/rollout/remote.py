@@ -1,5 +1,5 @@
 """The rollout engines as vLLM HTTP servers (`rollout.engine_process=server`), on any host, behind
-the interface of `EngineFleet` (pace/rollout/fleet.py), driven by the rollout thread.
+the `Fleet` interface (pace/rollout/fleet.py), driven by the rollout thread.
 
 Everything goes through vLLM's own serving routes (pace/rollout/server.py starts them):
 - generation: `/inference/v1/generate`, token ids in, token ids out, streamed (a generation
@@ -33,6 +33,9 @@ import time
 from dataclasses import dataclass, field
 
 from pace.errors import ConfigError, EngineFailed
+from pace.placement import Placement
+from pace.rollout import request_ids
+from pace.rollout.fleet import Fleet
 from pace.rollout.remote_weights import RemoteWeightsMixin
 from pace.rollout.protocol import GENERATE, Output, completion_from, params_json, prompt_logprobs_from
 
@@ -64,15 +67,12 @@ class _Server:
     sync_s: float = 0.0  # seconds in weight-update calls, summed
 
 
-class RemoteFleet(RemoteWeightsMixin):
-    in_process = False
-
+class RemoteFleet(RemoteWeightsMixin, Fleet):
     def __init__(self, urls: list[str], tokenizer, device_type: str = "cpu", processes: list | None = None,
                  engine_timeout_s: float = 120.0):
         import requests
 
         self.servers = [_Server(i, u.rstrip("/"), (processes or [None] * len(urls))[i]) for i, u in enumerate(urls)]
-        self.engines = self.servers
         self.tokenizer = tokenizer
         self.device_type = device_type
         self.engine_timeout_s = engine_timeout_s
@@ -143,8 +143,8 @@ class RemoteFleet(RemoteWeightsMixin):
             ids = self.tokenizer(prompt["prompt"]).input_ids
         stream = params.output_kind == self._delta and params.n == 1  # generation: streamed token by token
         self._serial += 1
-        body = {"request_id": f"{request_id}.{self._serial}", "token_ids": list(ids), "sampling_params": params_json(params),
-                "priority": priority, "stream": stream, "output_mode": "text" if params.detokenize else "tokens"}
+        body = {"request_id": request_ids.wire(request_id, self._serial), "token_ids": list(ids),
+                "sampling_params": params_json(params), "priority": priority, "stream": stream, "output_mode": "text" if params.detokenize else "tokens"}
         if prompt.get("cache_salt") is not None:
             body["cache_salt"] = prompt["cache_salt"]
         server = self.servers[i]
@@ -207,7 +207,6 @@ class RemoteFleet(RemoteWeightsMixin):
                 future.cancel()
 
     def holds(self, request_id: str) -> bool:
-        """Whether a request of that id is in an engine, unfinished."""
         return request_id in self._owner
 
     def release_group(self, group: str) -> None:
@@ -247,9 +246,6 @@ class RemoteFleet(RemoteWeightsMixin):
         """None: a server labels a request's tokens in its last chunk only (an unfinished one's
         tokens have the rollout's stamps, cut at a stop: pace/rollout/resuming.py)."""
         return None
-
-    def reset_prefix_cache_if_idle(self) -> None:
-        pass  # entries of earlier weights are unreachable (salted by version) and evicted as needed
 
     # --- failures -------------------------------------------------------------------------------
     async def _watch(self, server: _Server) -> None:
@@ -337,18 +333,19 @@ class RemoteFleet(RemoteWeightsMixin):
                 s.process.kill(2.0 if timeout is None else timeout)
 
 
-def build(model_path: str, cfg, device: str, tokenizer, backend: str, log_dir: str | None, version: int) -> RemoteFleet:
-    """The fleet of `rollout.servers`, or of `rollout.engines` servers started on 127.0.0.1 now."""
+def build(model_path: str, cfg, placement: Placement, tokenizer, log_dir: str | None, version: int) -> RemoteFleet:
+    """The fleet of `rollout.servers`, or of `rollout.engines` servers started on 127.0.0.1 now
+    where ``placement`` puts them."""
     from pathlib import Path
 
     from pace.rollout import server
 
     urls, processes = list(cfg.rollout.servers), None
     if not urls:
-        processes = server.launch_local(model_path, cfg, device, Path(log_dir or ".") / "engines", backend)
+        processes = server.launch_local(model_path, cfg, placement, Path(log_dir or ".") / "engines")
         urls = [p.url for p in processes]
     try:
-        fleet = RemoteFleet(urls, tokenizer, device, processes, cfg.rollout.engine_timeout_s)
+        fleet = RemoteFleet(urls, tokenizer, placement.device, processes, cfg.rollout.engine_timeout_s)
     except BaseException:
         for p in processes or []:
             p.kill()

@@ -1,5 +1,6 @@
 """Weight updates of the rollout servers over vLLM's RL routes: a mixin of `RemoteFleet`
-(pace/rollout/remote.py), the same calls as `EngineFleet`'s (pace/rollout/fleet.py).
+(pace/rollout/remote.py): the weight calls of the `Fleet` interface (pace/rollout/fleet.py), whose
+`update` and `end_update` run them in the same sequence as for the engines in this host.
 
 Each update: `/pause?mode=keep` (requests in flight keep their KV), vLLM's `HTTPVLLMWeightSyncClient`
 (`/start_weight_update`, `/update_weights` while trainer rank 0 broadcasts, `/finish_weight_update`),
@@ -14,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pace.errors import EngineFailed
-from pace.rollout.fleet import EngineFleet
 
 WEIGHT_CALL_TIMEOUT_S = 1800.0  # the transfer calls wait for the broadcast (gloo's own timeout is 30 min)
 # The other calls (pause, resume, the version label, the reload check) return in seconds; one that takes
@@ -88,8 +88,6 @@ class RemoteWeightsMixin:
         self._each(lambda s: self._client(s).init_weight_transfer_engine(infos[s.index]), "init_weight_transfer_engine")
         self.needs_regroup = False
 
-    update = EngineFleet.update  # begin, load, end (resumed if the load fails): the same sequence over HTTP
-
     def begin_update(self) -> None:
         def begin(s):
             s.paused = True
@@ -105,19 +103,11 @@ class RemoteWeightsMixin:
     def load(self, update_info: dict) -> None:
         self._each(lambda s: self._client(s).update_weights(update_info), "update_weights")
 
-    def end_update(self, version: int | None) -> None:
-        from pace.weights.reload import IncompleteWeightUpdate
+    def _finish_update(self) -> None:
+        self._each(lambda s: self._client(s).finish_weight_update(), "finish_weight_update")
 
-        try:
-            self._each(lambda s: self._client(s).finish_weight_update(), "finish_weight_update")
-            failures = [f for f in self._rpc("pace_weight_update_failure", "the reload check") if f]
-            if failures:
-                more = f" (and {len(failures) - 1} more workers)" if len(failures) > 1 else ""
-                raise IncompleteWeightUpdate(failures[0] + more)
-            if version is not None:
-                self.set_version(version)
-        finally:
-            self._resume()
+    def _update_failures(self) -> list:
+        return self._rpc("pace_weight_update_failure", "the reload check")
 
     def _resume(self) -> None:
         def resume(s):

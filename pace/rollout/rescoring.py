@@ -18,6 +18,7 @@ import numpy as np
 
 from pace.records import Group, Trajectory
 from pace.rollout import engine as engine_lib
+from pace.rollout import request_ids
 
 
 @dataclass
@@ -37,9 +38,9 @@ class RescoringMixin:
         under the new weights (a prefix is one short prefill)."""
         if not self._rescoring:
             return
-        ids = [f"s{gid}-{i}" for gid, job in self._rescoring.items()
+        ids = [request_ids.scoring(gid, i) for gid, job in self._rescoring.items()
                for i in range(len(job.group.trajectories)) if i not in job.distances]
-        self.engine.abort_request(ids)
+        self.fleet.abort_request(ids)
         self.stats["rescore_cancelled"] += len(ids)
         self._rescoring.clear()
         self.stats["rescore_s"] += time.perf_counter() - self._rescore_started
@@ -68,13 +69,15 @@ class RescoringMixin:
                 self._finish_rescore(job)
             for i in todo:
                 ids = group.prompt_ids + group.trajectories[i].response_ids[:m].tolist()
-                self.engine.add_request(f"s{group.id}-{i}", {"prompt_token_ids": ids, "cache_salt": salt}, params,
-                                        priority=engine_lib.SCORING_PRIORITY, group=f"s{group.id}")
+                self.fleet.add_request(request_ids.scoring(group.id, i), {"prompt_token_ids": ids, "cache_salt": salt},
+                                       params, priority=engine_lib.SCORING_PRIORITY,
+                                       group=request_ids.group_key(request_ids.SCORING, group.id))
         if self._rescoring and self._rescore_started is None:
             self._rescore_started = time.perf_counter()
 
     def _consume_score(self, out) -> None:
-        gid, idx = (int(x) for x in out.request_id[1:].split("-"))
+        rid = request_ids.parse(out.request_id)
+        gid, idx = rid.group, rid.index
         job = self._rescoring.get(gid)
         if job is None:  # cancelled by a weight update (its last output may still arrive)
             return
@@ -92,7 +95,7 @@ class RescoringMixin:
 
     def _finish_rescore(self, job: _Rescore) -> None:
         del self._rescoring[job.group.id]
-        self.engine.release_group(f"s{job.group.id}")
+        self.fleet.release_group(request_ids.group_key(request_ids.SCORING, job.group.id))
         self.pool.set_pfs(job.group, sum(job.distances.values()) / len(job.distances), job.version)
         self.stats["rescored"] += 1
         if not self._rescoring and self._rescore_started is not None:
@@ -100,7 +103,8 @@ class RescoringMixin:
             self._rescore_started = None
 
     def _rescoring_ids(self) -> list[str]:
-        return [f"s{gid}-{i}" for gid, job in self._rescoring.items() for i in range(len(job.group.trajectories))]
+        return [request_ids.scoring(gid, i) for gid, job in self._rescoring.items()
+                for i in range(len(job.group.trajectories))]
 
 
 def _actions(traj: Trajectory, m: int) -> np.ndarray:

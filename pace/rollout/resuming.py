@@ -55,16 +55,16 @@ class ResumingMixin:
                 if traj.completed_at >= 0 or idx in pending.tool_wait:
                     continue  # finished, or between turns: its versions are final already
                 start = pending.turn_start.get(idx, 0)
-                versions = self.engine.partial_versions(pending.request_id(idx), len(traj) - start)
+                versions = self.fleet.partial_versions(pending.request_id(idx), len(traj) - start)
                 if versions is None:  # (in process the stamps are exact: nothing to do)
-                    if not self.engine.in_process and len(traj) > start:
+                    if not self.fleet.in_process and len(traj) > start:
                         if not cut:
                             unlabelled.add(pending.group.id)
                             continue
                         self.stats["resume_unlabelled_tokens"] += len(traj) - start
                         traj.truncate(start)  # the response goes on from its request's start
                     continue
-                if self.engine.in_process and not np.array_equal(versions, traj.versions[start:]):
+                if self.fleet.in_process and not np.array_equal(versions, traj.versions[start:]):
                     raise VersionMismatch(f"weight versions {versions.tolist()} disagree with the rollout's stamps "
                                           f"{traj.versions[start:].tolist()} (request {pending.request_id(idx)})")
                 traj.versions[start:] = versions

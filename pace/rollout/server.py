@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from pace.net import free_port
+from pace.placement import Placement
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the servers import pace from it
 
@@ -141,20 +142,20 @@ def tail(path: Path, lines: int = 3) -> str:
     return " | ".join(text[-lines:])
 
 
-def launch_local(model_path: str, cfg, device: str, log_dir: Path, backend: str | None,
+def launch_local(model_path: str, cfg, placement: Placement, log_dir: Path, transfer: bool = True,
                  timeout_s: float | None = None) -> list[LocalServer]:
-    """`rollout.engines` servers on 127.0.0.1, started at once; returns when all are ready (or
-    raises, stopping them, naming the one that failed and its log)."""
-    from pace.placement import engine_gpus
-
+    """`rollout.engines` servers on 127.0.0.1 where ``placement`` puts them, with its
+    weight-transfer backend (``transfer=False``: none), started at once; returns when all are ready
+    (or raises, stopping them, naming the one that failed and its log)."""
     r = cfg.rollout
-    placement = engine_gpus(r, int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if device == "cuda" else None
+    backend = placement.transfer if transfer else None
     servers = []
     try:
         for e in range(r.engines):
             port = free_port()
             args = serve_args(model_path, r, cfg.model.dtype, cfg.seed + e, port, host="127.0.0.1", backend=backend)
-            servers.append(LocalServer(args, serve_env(r, device, None if placement is None else placement[e]),
+            gpus = None if placement.gpus is None else list(placement.gpus[e])
+            servers.append(LocalServer(args, serve_env(r, placement.device, gpus),
                                        Path(log_dir) / f"engine{e}.log", port))
         deadline = time.monotonic() + (timeout_s or r.server_start_timeout_s)
         for s in servers:
@@ -175,7 +176,6 @@ def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_dir
 
     from pace.config import register
-    from pace.placement import backend_kind
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     parser.add_argument("--host", default="0.0.0.0")
@@ -187,17 +187,16 @@ def main(argv: list[str] | None = None) -> None:
     register()
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=["rollout.engine_process=server", *args.overrides])
-    device = "cuda" if _has_cuda() else "cpu"
+    placement = Placement.of(cfg.rollout, "cuda" if _has_cuda() else "cpu", world=1)
     model = args.model or _model_path(cfg)
-    backend = backend_kind(cfg.rollout, device)
     r = cfg.rollout
-    gpus = None
-    if device == "cuda" and r.gpus:
+    gpus = None  # a server on a node of its own: `rollout.gpus`' share of engine E, else every visible GPU
+    if placement.device == "cuda" and r.gpus:
         gpus = list(r.gpus)[args.engine * r.tensor_parallel_size:(args.engine + 1) * r.tensor_parallel_size]
     cmd = [sys.executable, "-c", ENTRY, *serve_args(model, r, cfg.model.dtype, cfg.seed + args.engine, args.port,
-                                                    args.host, backend)]
+                                                    args.host, placement.transfer)]
     print(" ".join(cmd[3:]), file=sys.stderr, flush=True)
-    env = serve_env(r, device, gpus)
+    env = serve_env(r, placement.device, gpus)
     os.execve(sys.executable, cmd, env)
 
 

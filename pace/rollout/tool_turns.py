@@ -48,4 +48,4 @@ class ToolTurnsMixin:
         prompt = {"prompt_token_ids": pending.group.prompt_ids + traj.response_ids.tolist(),
                   "cache_salt": engine_lib.cache_salt(self.engine_version)}
         params = self._turn_params(self.cfg.rollout.max_tokens - len(traj), calls=traj.tool_calls)
-        self.engine.add_request(pending.request_id(idx), prompt, params, group=f"g{pending.group.id}")
+        self.fleet.add_request(pending.request_id(idx), prompt, params, group=pending.key)

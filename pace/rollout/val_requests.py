@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from pace.rollout import engine as engine_lib
+from pace.rollout import request_ids
 
 
 @dataclass
@@ -47,9 +48,10 @@ class ValRequestsMixin:
         self._val_next = (v // every + 1) * every
         params = evaluation.sampling_params(self.cfg, self.tokenizer, seeded=False, k=self.cfg.eval.val_k)
         run = evaluation.EvalRun(self.val_sets, params, self.grader,
-                                 prefix=f"v{v}", answer_timeout_s=self.cfg.reward.timeout_s / self.group_size,
+                                 prefix=request_ids.validation_prefix(v),
+                                 answer_timeout_s=self.cfg.reward.timeout_s / self.group_size,
                                  tools=evaluation.tool_runner(self.cfg, self.tokenizer, on_done=self._wake.set))
-        run.submit(self.engine, priority=engine_lib.VALIDATION_PRIORITY, salt=engine_lib.cache_salt(v))
+        run.submit(self.fleet, priority=engine_lib.VALIDATION_PRIORITY, salt=engine_lib.cache_salt(v))
         self._val = (run, v, weights() if weights is not None else None, time.perf_counter())
         self.val_started = v
 

@@ -28,7 +28,7 @@ from pace.errors import RolloutError
 from pace.pool import Pool
 from pace.pool.plugins import reads_pfs
 from pace.rollout.failover import FailoverMixin
-from pace.rollout.fleet import EngineFleet
+from pace.rollout.fleet import Fleet
 from pace.rollout.generation import GenerationMixin
 from pace.rollout.rescoring import RescoringMixin
 from pace.rollout.resuming import ResumingMixin
@@ -45,14 +45,14 @@ __all__ = ["RolloutError", "RolloutWorker"]
 
 class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMixin, FailoverMixin, ValRequestsMixin,
                     threading.Thread):
-    def __init__(self, engines, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg, val_sets: dict | None = None):
-        """``engines``: an `EngineFleet` or a `RemoteFleet` (or one vLLM `LLM`, wrapped in a fleet)."""
+    def __init__(self, fleet: Fleet, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg, val_sets: dict | None = None):
+        """``fleet``: the engines (`EngineFleet`, e.g. ``EngineFleet([llm])`` for one `LLM`, or `RemoteFleet`)."""
         super().__init__(name="rollout", daemon=True)
         from vllm.sampling_params import RequestOutputKind
 
-        self.engine = EngineFleet([engines]) if hasattr(engines, "llm_engine") else engines
-        if self.engine.version is None and hasattr(self.engine.engines[0], "set_weight_version"):
-            self.engine.set_version(0)  # vLLM labels tokens with it: the weights loaded (θ_0 until an update)
+        self.fleet = fleet
+        if self.fleet.version is None:
+            self.fleet.set_version(0)  # vLLM labels tokens with it: the weights loaded (θ_0 until an update)
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.pool = pool
@@ -60,7 +60,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self.cfg = cfg
         self.group_size = cfg.data.group_size
         self.deterministic = cfg.rollout.deterministic
-        self.cpu_threads = cfg.rollout.cpu_threads if self.engine.device_type == "cpu" and self.engine.in_process else 0
+        self.cpu_threads = cfg.rollout.cpu_threads if self.fleet.device_type == "cpu" and self.fleet.in_process else 0
         self.max_tool_calls = cfg.rollout.max_tool_calls
         self._sampling = dict(
             temperature=cfg.rollout.temperature,
@@ -104,6 +104,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._rescoring = {}
         self._rescore_started: float | None = None
         self._last = (time.perf_counter(), dict(self.stats))  # (time, stats) at the last metrics() call
+        self._sync_last: dict[int, float] = {}  # the fleet's sync_seconds() at the last metrics() call
         self.val_sets = val_sets if cfg.eval.every > 0 else None
         self.final_version = cfg.trainer.steps
         self.val_results: queue.Queue[ValResult] = queue.Queue()
@@ -117,9 +118,9 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
     # --- called from the trainer thread (the weight-sync client of pace/weights/transfer.py) --
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         """Before `start()`: connect the engines' weight-transfer backend."""
-        self.engine.init_weight_transfer_engine(init_info)
+        self.fleet.init_weight_transfer_engine(init_info)
         if self.sent_weights is not None:
-            self.engine.fingerprint_updates()
+            self.fleet.fingerprint_updates()
         self._transfer_ready = True
 
     def post_update(self, update: WeightUpdate) -> None:
@@ -226,12 +227,13 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         } | (self._tool_metrics(s, last) if self.tools is not None else {}) | self._engine_metrics()
 
     def _engine_metrics(self) -> dict:
-        """Server mode: the engines alive, and each one's seconds in weight-update calls in the interval."""
-        if not hasattr(self.engine, "sync_seconds"):
+        """A fleet that times its engines' weight updates (servers): the engines alive, and each
+        one's seconds in weight-update calls in the interval."""
+        now, last = self.fleet.sync_seconds(), self._sync_last
+        if not now:
             return {}
-        now, last = self.engine.sync_seconds(), getattr(self, "_sync_last", {})
         self._sync_last = now
-        return {"rollout/engines_alive": len(self.engine.alive)} | {
+        return {"rollout/engines_alive": len(self.fleet.alive)} | {
             f"rollout/sync_s/engine{i}": sec - last.get(i, 0.0) for i, sec in now.items()}
 
     def _tool_metrics(self, s: dict, last: dict) -> dict:
@@ -268,9 +270,9 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
                 busy |= self._apply_update()
                 busy |= self._continue_resumed()
                 busy |= self._admit()
-                if self.engine.has_unfinished_requests():
+                if self.fleet.has_unfinished_requests():
                     t0 = time.perf_counter()
-                    outputs = self.engine.step()
+                    outputs = self.fleet.step()
                     self.stats["gen_s"] += time.perf_counter() - t0
                     self._consume(outputs)
                     busy = True
@@ -325,7 +327,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             return False
         with update.lock:  # the trainer does not rewrite this slot meanwhile
             self._cancel_rescoring()
-            self.stats["sync_s"] += self.engine.update(update.version, update.info)
+            self.stats["sync_s"] += self.fleet.update(update.version, update.info)
             self._updated(update.version, weights=lambda: transfer.read_slot(update.info))
         return True
 
@@ -333,10 +335,10 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
     def begin_update(self) -> None:
         """Before new weights load (this thread): pending scores are dropped, the engines paused."""
         self._cancel_rescoring()
-        self.engine.begin_update()
+        self.fleet.begin_update()
 
     def end_update(self, version: int) -> None:
-        self.engine.end_update(version)
+        self.fleet.end_update(version)
         self._updated(version, weights=None)
 
     def _updated(self, version: int, weights) -> None:
@@ -344,10 +346,10 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self.stats["syncs"] += 1
         self.engine_version = version
         if self.sent_weights is not None and self.sent_weights.expects(version) and self.stale is None:
-            self.stale = self.sent_weights.judge(version, self.engine.fingerprints())  # the loop stops on it
+            self.stale = self.sent_weights.judge(version, self.fleet.fingerprints())  # the loop stops on it
             self.stats["weights_checked"] += 1
-        if self.engine.in_process:
-            self.engine.reset_prefix_cache_if_idle()  # old entries are unreachable (salted); free them
+        if self.fleet.in_process:
+            self.fleet.reset_prefix_cache_if_idle()  # old entries are unreachable (salted); free them
         if self.prefix_tokens:
             self._start_rescoring()
         self._maybe_validate(weights)
@@ -358,7 +360,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self.stats["orphaned_responses"] = sum(
             1 for p in self._pending.values() for i in range(self.group_size)
             if i not in p.tool_wait and (p.responses.get(i) is None or p.responses[i].completed_at < 0)
-            and not self.engine.holds(p.request_id(i)))
+            and not self.fleet.holds(p.request_id(i)))
         try:  # the tokens read so far keep exact versions for a checkpoint after the stop
             self._settle_versions(cut=True)
             self._settled = True
@@ -370,6 +372,6 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             ids += self._val[0].request_ids
         try:
             if ids:
-                self.engine.abort_request(ids)
+                self.fleet.abort_request(ids)
         except Exception:  # noqa: BLE001 - best effort at shutdown; the groups stay counted as in flight
             pass

@@ -74,8 +74,8 @@ class WeightSync:
         else:
             from pace.weights.gloo import GlooTrainerInitInfo as Info
             from pace.weights.gloo import GlooTrainerWeightTransferEngine as Engine
-        fleet = None if self.rollout is None else self.rollout.engine
-        if hasattr(fleet, "transfer_workers"):  # servers: the ranks of the live ones
+        fleet = None if self.rollout is None else self.rollout.fleet
+        if fleet is not None:  # rank 0: the ranks of the engines in service
             workers = fleet.transfer_workers()
         else:
             workers = self.cfg.rollout.engines * self.cfg.rollout.tensor_parallel_size
@@ -127,12 +127,12 @@ class WeightSync:
                 self.sender.client.start(WeightUpdate(version))
                 self._regroup()  # a server lost while the update started
             self.barrier()
-            fleet = getattr(self.rollout, "engine", None)
-            known = set() if not hasattr(fleet, "alive") else set(fleet.alive)
+            fleet = None if self.rollout is None else self.rollout.fleet
+            known = set() if fleet is None else set(fleet.alive)
             try:
                 self.sender.send_weights()
             except Exception as exc:
-                failed = fleet.wait_failed(known) if hasattr(fleet, "wait_failed") else None
+                failed = None if fleet is None else fleet.wait_failed(known)
                 if failed is None:
                     raise
                 self.sender.shutdown()  # the group's connections close: the live engines' receive fails, not waits
@@ -144,7 +144,7 @@ class WeightSync:
 
     def _regroup(self) -> None:
         """Server mode, rank 0: after a server failed, the group is formed again by the live ones."""
-        if getattr(getattr(self.rollout, "engine", None), "needs_regroup", False):
+        if self.rollout is not None and self.rollout.fleet.needs_regroup:
             self.sender.shutdown()
             self.sender = self._connect(0)
 
@@ -194,7 +194,7 @@ class BlockingClient:
                                "the engines with")
 
     def update_weights(self, update_info) -> None:
-        self._run(lambda: self.rollout.engine.load(update_info))
+        self._run(lambda: self.rollout.fleet.load(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """``weight_version``: vLLM's trainer engines pass none; the started update's version is used."""

@@ -24,6 +24,7 @@ def test_child_engines_are_built_at_once_each_with_its_own_environment(tiny_mode
     from vllm import SamplingParams
 
     from pace.config import RolloutConfig
+    from pace.placement import Placement
     from pace.rollout import engine as engine_lib
     from pace.rollout.fleet import EngineFleet
 
@@ -40,8 +41,9 @@ def test_child_engines_are_built_at_once_each_with_its_own_environment(tiny_mode
 
     monkeypatch.setattr(engine_lib, "_new_llm", timed)
     t0 = time.monotonic()
-    llms = engine_lib.build_engines(tiny_model_path, RolloutConfig(engines=2), "float32", seed=0, mode="child",
-                                    backend=None, placement=[[0], [1]])
+    placement = Placement(device="cpu", world=1, mode="child", backend="shm", gpus=((0,), (1,)))  # GPU ids by hand
+    llms = engine_lib.build_engines(tiny_model_path, RolloutConfig(engines=2), "float32", seed=0, placement=placement,
+                                    transfer=False)
     wall = time.monotonic() - t0
     try:
         (s0, e0, _), (s1, e1, _) = (spans[0], spans[1])

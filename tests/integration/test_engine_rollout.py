@@ -18,6 +18,7 @@ def test_rollout_records_versions_across_an_update(llm, weights, tiny_model_path
     from pace.config import Config
     from pace.grading import Grader
     from pace.pool import Pool, build_policy
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
     from pace.tasks.base import PromptSampler
@@ -28,7 +29,7 @@ def test_rollout_records_versions_across_an_update(llm, weights, tiny_model_path
     pool = Pool(build_policy(cfg), informative=lambda g: True)
     sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[4]), "train"), seed=0)
     grader = Grader(workers=1)
-    worker = RolloutWorker(llm, llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
+    worker = RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
     worker._admit()
     assert pool.inflight == 2
     for _ in range(5):
@@ -67,6 +68,7 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
     from pace.config import Config
     from pace.grading import Grader
     from pace.pool import Pool, build_policy
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
     from pace.tasks.base import PromptSampler
@@ -80,7 +82,7 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
     pool = Pool(build_policy(cfg), informative=lambda g: True)
     sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[2]), "train"), seed=0)
     with Grader(workers=1) as grader:
-        worker = RolloutWorker(llm, llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
+        worker = RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
         worker._admit()
         worker.set_trainer_version(1)  # completes at c = 1 with tokens from v = 0: K_gen = 1 > 0
 
@@ -135,6 +137,7 @@ def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse
     from pace.grading import Grader
     from pace.pool import Pool, build_policy
     from pace.rollout.engine import load_weights
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.base import Prompt, PromptSampler
 
@@ -146,7 +149,7 @@ def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse
     old = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     new, moved = _moved(tiny_model_path, seed=3)
     with Grader(workers=1) as grader:
-        worker = RolloutWorker(llm, llm.get_tokenizer(), PromptSampler([Prompt("long", text, "0")]), pool, grader, cfg)
+        worker = RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), PromptSampler([Prompt("long", text, "0")]), pool, grader, cfg)
         assert worker._admit() and len(worker.tokenizer(text, add_special_tokens=False).input_ids) > 128
         for _ in range(4):
             worker._consume(llm.llm_engine.step())
@@ -192,6 +195,7 @@ def test_a_prefix_score_pending_when_an_update_lands_is_redone_under_the_new_wei
     from pace.grading import Grader
     from pace.pool import Pool, build_policy
     from pace.rollout.engine import load_weights
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
     from pace.tasks.base import PromptSampler
@@ -203,7 +207,7 @@ def test_a_prefix_score_pending_when_an_update_lands_is_redone_under_the_new_wei
     sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[2]), "train"), seed=1)
     new, moved = _moved(tiny_model_path, seed=4)
     with Grader(workers=1) as grader:
-        worker = RolloutWorker(llm, llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
+        worker = RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
         worker._admit()
         worker.set_trainer_version(1)  # K_gen = 1 > 0 at completion: the groups are rescored
         while llm.llm_engine.has_unfinished_requests():
@@ -247,6 +251,7 @@ def test_groups_in_flight_are_kept_at_a_stop_and_continued_token_for_token(llm, 
     from pace.grading import Grader
     from pace.pool import Pool, build_policy
     from pace.rollout.engine import rescore
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
     from pace.tasks.base import PromptSampler
@@ -258,7 +263,7 @@ def test_groups_in_flight_are_kept_at_a_stop_and_continued_token_for_token(llm, 
 
     def worker_with(pool):
         sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[4]), "train"), seed=0)
-        return RolloutWorker(llm, llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
+        return RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
 
     pool = Pool(build_policy(cfg), informative=lambda g: True)
     first = worker_with(pool)
@@ -266,7 +271,7 @@ def test_groups_in_flight_are_kept_at_a_stop_and_continued_token_for_token(llm, 
     for _ in range(6):
         first._consume(llm.llm_engine.step())
     # vLLM's labels of the tokens read so far (what a stop keeps) equal the in-process stamps
-    labelled = [(first.engine.partial_versions(p.request_id(i), len(t)), t.versions)
+    labelled = [(first.fleet.partial_versions(p.request_id(i), len(t)), t.versions)
                 for p in first._pending.values() for i, t in p.responses.items() if t.completed_at < 0]
     assert labelled and all(v is not None and v.tolist() == s.tolist() == [0] * 6 for v, s in labelled)
     first._abort_all()  # what the thread does when it stops

@@ -32,12 +32,15 @@ def servers(tiny_model_path, tmp_path_factory):
     from hydra import compose, initialize_config_dir
 
     from pace.config import register
+    from pace.placement import Placement
     from pace.rollout import server
 
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=["+exp=async_tiny", "rollout.engine_process=server", "rollout.engines=2"])
-    started = server.launch_local(tiny_model_path, cfg, "cpu", tmp_path_factory.mktemp("servers"), backend="gloo")
+    placement = Placement.of(cfg.rollout, "cpu", world=1)
+    assert placement.backend == "gloo"  # a server's weights over the network
+    started = server.launch_local(tiny_model_path, cfg, placement, tmp_path_factory.mktemp("servers"))
     yield started
     for s in started:
         s.kill()

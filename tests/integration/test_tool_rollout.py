@@ -25,6 +25,7 @@ def _worker(llm, levels, groups=4, max_tool_calls=2):
     from pace.config import Config
     from pace.pool import Pool, build_policy
     from pace.grading import Grader
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.base import PromptSampler
     from pace.tasks.tool_arithmetic import ToolArithmeticSpec, make_prompts
@@ -36,7 +37,7 @@ def _worker(llm, levels, groups=4, max_tool_calls=2):
     pool = Pool(build_policy(cfg), informative=lambda g: True)
     sampler = PromptSampler(make_prompts(ToolArithmeticSpec(levels=levels), "train"), seed=0)
     grader = Grader(workers=1)
-    return RolloutWorker(llm, llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg), grader
+    return RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg), grader
 
 
 def _drive(worker, llm, on_step=None):
@@ -74,6 +75,7 @@ def test_tool_turns_are_masked_context_with_versions_and_logprobs(llm):
 
     from pace.algo.microbatch import collate
     from pace.reward import extract_answer
+    from pace.rollout import request_ids
     from pace.staleness import group_staleness
     from pace.tools.protocol import CODE_STOP, OUTPUT_END, OUTPUT_START
 
@@ -127,7 +129,7 @@ def test_tool_turns_are_masked_context_with_versions_and_logprobs(llm):
     worker._rescore(groups)
     while worker._rescoring:
         for out in llm.llm_engine.step():
-            if out.request_id[0] == "s" and out.finished:
+            if request_ids.kind(out.request_id) == request_ids.SCORING and out.finished:
                 worker._consume_score(out)
     for g in groups:
         assert g.pfs is not None and g.pfs < 1e-3 and g.pfs_version == 1

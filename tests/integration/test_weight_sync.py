@@ -85,12 +85,13 @@ def _sync(llm, model, version: int):
     from pace.config import Config
     from pace.placement import Placement
     from pace.pool import Pool, build_policy
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutWorker
     from pace.tasks.base import Prompt, PromptSampler
     from pace.weights.sync import WeightSync
 
     cfg = OmegaConf.structured(Config)
-    worker = RolloutWorker(llm, llm.get_tokenizer(), PromptSampler([Prompt("p", "1+1=?\n", "2")]),
+    worker = RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), PromptSampler([Prompt("p", "1+1=?\n", "2")]),
                            Pool(build_policy(cfg), informative=lambda g: True), None, cfg)
     sync = WeightSync(cfg, SimpleNamespace(acc=Accelerator(cpu=True), model=model), worker,
                       Placement.of(cfg.rollout, "cpu", 1))

@@ -199,7 +199,9 @@ class _Rollout:
         from types import SimpleNamespace
 
         self.sent_weights = fp.SentWeights()
-        self.engine = SimpleNamespace(load=lambda info: None)
+        # a fleet of no engines (`rollout.engines=0`): nothing to load, nothing to fail
+        self.fleet = SimpleNamespace(load=lambda info: None, transfer_workers=lambda: 0, alive=[], needs_regroup=False,
+                                     wait_failed=lambda known: None)
         self.loaded: list[int] = []
 
     def init_weight_transfer_engine(self, info):

@@ -7,7 +7,7 @@ import os
 import pytest
 from omegaconf import OmegaConf
 
-from pace.placement import engine_gpus, visible_devices
+from pace.placement import Placement, engine_gpus, visible_devices
 from pace.rollout.engine import _engine_process_env
 
 pytestmark = pytest.mark.unit
@@ -37,13 +37,22 @@ def test_a_child_engine_starts_with_the_mapped_devices_and_the_parents_come_back
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "8,9,10,11,12,13,14,15" and os.environ["RANK"] == "0"
 
 class _Engine:
-    """A stand-in engine: its seed, and its shutdown recorded in ``closed``."""
+    """A stand-in engine (`LLM`): its seed, and its shutdown recorded in ``closed``."""
 
     def __init__(self, seed, closed: list):
+        from types import SimpleNamespace
+
         self.seed, self.closed = seed, closed
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=self.shutdown))
 
     def shutdown(self, timeout=None):
         self.closed.append(self.seed)
+
+
+def _children(gpus):
+    """Child engines on ``gpus`` (each engine's list; None: no GPUs given)."""
+    return Placement(device="cpu" if gpus is None else "cuda", world=1, mode="child", backend="nccl",
+                     gpus=None if gpus is None else tuple(map(tuple, gpus)))
 
 
 
@@ -65,12 +74,12 @@ def test_a_fleet_build_gives_each_engine_its_gpus_and_leaves_none_running_when_o
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     cfg = OmegaConf.create({"engines": 3, "server_start_timeout_s": 60.0})
     with pytest.raises(RuntimeError, match="engine 2 failed"):
-        engine_lib.build_engines("m", cfg, "bfloat16", 10, "child", None, placement=[[1], [2], [3]])
+        engine_lib.build_engines("m", cfg, "bfloat16", 10, _children([[1], [2], [3]]), transfer=False)
     assert seen == [(10, "5", False), (11, "6", False), (12, "7", False)]
     assert sorted(closed) == [10, 11]
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and os.environ["RANK"] == "0"
     seen.clear()
-    built = engine_lib.build_engines("m", cfg, "bfloat16", 20, "child", None, placement=[[0], [1], [2]])
+    built = engine_lib.build_engines("m", cfg, "bfloat16", 20, _children([[0], [1], [2]]), transfer=False)
     assert [e.seed for e in built] == [20, 21, 22] and [s[1] for s in seen] == ["4", "5", "6"]
 
 
@@ -85,7 +94,7 @@ def test_only_engines_on_gpus_of_their_own_are_built_at_once(monkeypatch):
     cfg = OmegaConf.create({"engines": 2, "server_start_timeout_s": 60.0})
     for placement, at_once in ((None, False), ([[0], [0]], False), ([[0], [1]], True)):
         threads.clear()
-        assert len(engine_lib.build_engines("m", cfg, "bfloat16", 0, "child", None, placement=placement)) == 2
+        assert len(engine_lib.build_engines("m", cfg, "bfloat16", 0, _children(placement), transfer=False)) == 2
         assert [t.startswith("pace-engine-build") for t in threads] == [at_once] * 2, placement
 
 
@@ -110,7 +119,7 @@ def test_a_build_that_never_spawns_its_core_fails_by_the_start_deadline(monkeypa
     cfg = OmegaConf.create({"engines": 3, "server_start_timeout_s": 0.3})
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"^rollout engine 1: no EngineCore process 0.3 s .*\(rollout\.server_start_timeout_s=0\.3\)$"):
-        engine_lib.build_engines("m", cfg, "bfloat16", 10, "child", None, placement=[[1], [2], [3]])
+        engine_lib.build_engines("m", cfg, "bfloat16", 10, _children([[1], [2], [3]]), transfer=False)
     assert time.monotonic() - start < 5 and closed == [10]
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     release.set()  # the late build's engine is shut down when it comes
@@ -133,3 +142,13 @@ def test_a_placement_is_computed_once_from_the_config_and_frozen():
     assert (gpu.mode, gpu.backend, gpu.transfer, gpu.gpus) == ("child", "nccl", "nccl", ((2,), (3,)))
     with pytest.raises(dataclasses.FrozenInstanceError):
         gpu.mode = "server"
+
+
+def test_servers_a_run_starts_on_cuda_get_the_gpus_after_the_trainers_whatever_the_placement():
+    """As `launch_local` has always placed them: a server process never shares the trainer's GPU."""
+    cfg = OmegaConf.create({"engine_process": "server", "weight_transfer": "auto", "placement": "colocate", "engines": 2,
+                            "tensor_parallel_size": 1, "gpus": None})
+    servers = Placement.of(cfg, "cuda", 1, local_trainers=1)
+    assert (servers.mode, servers.backend, servers.gpus) == ("server", "nccl", ((1,), (2,)))
+    cfg.engine_process = "child"
+    assert Placement.of(cfg, "cuda", 1, local_trainers=1).gpus is None  # a colocated child engine: the trainer's GPU

@@ -35,6 +35,9 @@ class ExplodingEngine:
     def abort_request(self, ids):
         self.requests.clear()
 
+    def set_weight_version(self, version):
+        pass
+
 
 class Tokenizer:
     def __call__(self, text, add_special_tokens=False):
@@ -43,13 +46,15 @@ class Tokenizer:
 
 def test_rollout_exception_stops_the_trainer_wait_with_its_traceback():
     from pace.loop import wait_for_batch
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutError, RolloutWorker
 
     cfg = OmegaConf.structured(Config)
     pool = Pool(build_policy(cfg), informative=lambda g: True)
     sampler = PromptSampler([Prompt("p0", "1+1=?\n", "2")])
     engine = ExplodingEngine()
-    worker = RolloutWorker(SimpleNamespace(llm_engine=engine), Tokenizer(), sampler, pool, grader=None, cfg=cfg)
+    fleet = EngineFleet([SimpleNamespace(llm_engine=engine)])
+    worker = RolloutWorker(fleet, Tokenizer(), sampler, pool, grader=None, cfg=cfg)
     worker.start()
     t0 = time.monotonic()
     with pytest.raises(RolloutError, match="engine exploded on purpose") as info:
@@ -73,12 +78,14 @@ class CountingEngine(ExplodingEngine):
 
 
 def test_paused_holds_the_thread_between_engine_steps_and_a_dead_thread_is_idle():
+    from pace.rollout.fleet import EngineFleet
     from pace.rollout.worker import RolloutWorker
 
     cfg = OmegaConf.structured(Config)
     pool = Pool(build_policy(cfg), informative=lambda g: True)
     engine = CountingEngine()
-    worker = RolloutWorker(SimpleNamespace(llm_engine=engine), Tokenizer(), PromptSampler([Prompt("p0", "1+1=?\n", "2")]),
+    worker = RolloutWorker(EngineFleet([SimpleNamespace(llm_engine=engine)]), Tokenizer(),
+                           PromptSampler([Prompt("p0", "1+1=?\n", "2")]),
                            pool, grader=None, cfg=cfg)
     worker.start()
     while engine.steps < 5:

@@ -66,7 +66,7 @@ def rollout_params(cfg, tokenizer):
     from pace.pool.plugins import PoolPolicy
     from pace.rollout.worker import RolloutWorker
 
-    fleet = SimpleNamespace(version=0, engines=[object()], device_type="cpu", in_process=False)
+    fleet = SimpleNamespace(version=0, device_type="cpu", in_process=False)
     worker = RolloutWorker(fleet, tokenizer, None, SimpleNamespace(policy=PoolPolicy(8, 8)), None, cfg)
     return worker.params
 

@@ -1,0 +1,87 @@
+"""The one fleet interface (pace/rollout/fleet.py `Fleet`): both fleets implement all of it, the weight
+update runs as one sequence for both (`update`, `end_update`), and what only servers have defaults to
+harmless values for the engines in this host. Stand-in engines (no vLLM engine): the calls are recorded."""
+from __future__ import annotations
+
+import inspect
+import queue
+from types import SimpleNamespace
+
+import pytest
+
+from pace.rollout.fleet import EngineFleet, Fleet
+
+pytestmark = pytest.mark.unit
+
+
+class _LLM:
+    """A stand-in out-of-process engine (`LLM`) of ``tp`` workers: its calls go to ``log``; each
+    worker's reload check reports ``failure`` (None: complete)."""
+
+    def __init__(self, index: int, log: list, tp: int = 1, failure: str | None = None, load_error: bool = False):
+        self.index, self.log, self.tp, self.failure, self.load_error = index, log, tp, failure, load_error
+        core = SimpleNamespace(outputs_queue=queue.Queue(),  # a child engine's client
+                               call_utility=lambda name, *args: log.append((index, name)))
+        self.llm_engine = SimpleNamespace(
+            engine_core=core, set_weight_version=lambda v: log.append((index, f"label {v}")),
+            vllm_config=SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"),
+                                        parallel_config=SimpleNamespace(world_size=tp)))
+
+    def collective_rpc(self, method, kwargs=None):
+        self.log.append((self.index, method))
+        if method == "update_weights" and self.load_error:
+            raise RuntimeError(f"engine {self.index}: the load broke")
+        if method == "pace_weight_update_failure":
+            return [self.failure] * self.tp
+        return [None] * self.tp
+
+
+def _calls(log: list, index: int = 0) -> list[str]:
+    return [name for i, name in log if i == index]
+
+
+def test_both_fleets_implement_the_whole_interface():
+    from pace.rollout.remote import RemoteFleet
+
+    for fleet in (EngineFleet, RemoteFleet):
+        assert issubclass(fleet, Fleet) and not inspect.isabstract(fleet), fleet.__name__
+    assert "update" not in vars(RemoteFleet) and "end_update" not in vars(EngineFleet)  # the template is the base's
+
+
+def test_an_update_pauses_loads_checks_labels_and_resumes_every_engine_in_that_order():
+    log = []
+    fleet = EngineFleet([_LLM(0, log), _LLM(1, log)])
+    seconds = fleet.update(7, {"names": ["w"]})
+    assert seconds >= 0 and fleet.version == 7
+    for e in (0, 1):
+        assert _calls(log, e) == ["pause_scheduler", "start_weight_update", "update_weights", "finish_weight_update",
+                                  "pace_weight_update_failure", "label 7", "resume_scheduler"]
+
+
+def test_a_load_that_fails_resumes_the_engines_and_leaves_the_label():
+    log = []
+    fleet = EngineFleet([_LLM(0, log, load_error=True)])
+    fleet.set_version(3)
+    with pytest.raises(RuntimeError, match="engine 0: the load broke"):
+        fleet.update(4, {})
+    assert _calls(log) == ["label 3", "pause_scheduler", "start_weight_update", "update_weights", "resume_scheduler"]
+    assert fleet.version == 3
+
+
+def test_an_incomplete_update_fails_once_naming_the_first_worker_and_the_count():
+    from pace.weights.reload import IncompleteWeightUpdate
+
+    log = []
+    fleet = EngineFleet([_LLM(0, log, tp=2, failure="layer 3 got no weights"), _LLM(1, log)])
+    fleet.set_version(3)
+    with pytest.raises(IncompleteWeightUpdate, match=r"^layer 3 got no weights \(and 1 more workers\)$"):
+        fleet.update(4, {})
+    assert fleet.version == 3 and "label 4" not in _calls(log)  # the label stays θ_3's
+    assert _calls(log)[-1] == _calls(log, 1)[-1] == "resume_scheduler"  # resumed all the same
+
+
+def test_engines_in_this_host_have_the_servers_defaults():
+    fleet = EngineFleet([_LLM(0, []), _LLM(1, [], tp=2)])
+    assert fleet.alive == [0, 1] and fleet.transfer_workers() == 3  # engines × their TP workers
+    assert fleet.take_failures() == [] and fleet.wait_failed({0, 1}, timeout=0.0) is None
+    assert fleet.needs_regroup is False and fleet.sync_seconds() == {} and not fleet.in_process
