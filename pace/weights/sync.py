@@ -41,13 +41,14 @@ class WeightSync:
         self.barrier = barrier  # the trainer ranks' wait on rank 0 (pace/control.py): hours, not NCCL's watchdog
         self.backend = placement.transfer  # the name vLLM's factories register it under (shm: pace_shm)
         self.acc = trainer.acc
-        sent = getattr(rollout, "sent_weights", None)  # rank 0, `trainer.sync_fingerprint`: pace/weights/fingerprint.py
+        sent = None if rollout is None else rollout.sent_weights  # rank 0, `trainer.sync_fingerprint`: pace/weights/fingerprint.py
         on_sent = None if sent is None else lambda prints: sent.expect(self._sending, prints)
         source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype), on_sent)
         # a checkpoint's copy of θ (`weights`) walks the same tensors without fingerprints: only what
         # is sent is θ_version's as the engines get it, and a copy may come between syncs
         self.copies = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype))
         rank = self.acc.process_index
+        self._client: BlockingClient | None = None  # nccl/gloo, rank 0: one for the run (a regroup keeps its state)
         self.cfg, self.rollout, self.source = cfg, rollout, source
         if self.backend == transfer.BACKEND:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
@@ -81,7 +82,7 @@ class WeightSync:
             workers = self.cfg.rollout.engines * self.cfg.rollout.tensor_parallel_size
         info = Info(rank=rank, master_address=transfer_address(self.cfg.rollout), master_port=free_port() if rank == 0 else 0,
                     world_size=1 + workers)
-        if self.rollout is not None and getattr(self, "_client", None) is None:
+        if self.rollout is not None and self._client is None:
             self._client = BlockingClient(self.rollout)  # one for the run: a regroup keeps its state
         return Engine.trainer_init(info, client=None if self.rollout is None else self._client, source=self.source)
 
@@ -173,7 +174,7 @@ class BlockingClient:
                 return future.result(timeout=self.POLL_S)
             except concurrent.futures.TimeoutError:
                 if not self.rollout.is_alive():
-                    err = getattr(self.rollout, "error", None)
+                    err = self.rollout.error
                     raise RolloutError(f"rollout thread died with a weight-update call pending: {err!r}") from err
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
