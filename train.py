@@ -4,7 +4,7 @@
     python train.py +exp=sync_tiny           # presets in conf/exp/ only override
     accelerate launch --config_file conf/accelerate/fsdp.yaml train.py +exp=async_qwen3_8b
 
-Data flow (DESIGN §5): rollout thread (vLLM engines) → grading → pool → [main thread] batch →
+Data flow (docs/design.md §5): rollout thread (vLLM engines) → grading → pool → [main thread] batch →
 DAPO step → weight sync (vLLM weight transfer) → engines. Rank 0 owns the rollout, the pool and
 the logs; every rank trains and takes part in the weight sync.
 """

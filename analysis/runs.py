@@ -1,4 +1,4 @@
-"""Runs as analysis reads them, from any of three sources that hold the same records (DESIGN §6).
+"""Runs as analysis reads them, from any of three sources that hold the same records (docs/design.md §6).
 
     local         a run directory: metrics.jsonl, groups/part-*.parquet, summary.json, .hydra/config.yaml
     wandb-offline an offline wandb run inside the run directory (wandb/offline-run-*/): its
@@ -41,7 +41,7 @@ class Run(Labelled):
     config: dict  # the resolved run config (nested, as train.py saw it)
     steps: pd.DataFrame  # one row per training step, indexed 0..n-1; `wall` = cumulative time/step
     val: pd.DataFrame  # one row per validation: version, wall (when θ_version existed), val/*
-    groups: pd.DataFrame  # one row per group (DESIGN §6)
+    groups: pd.DataFrame  # one row per group (docs/design.md §6)
     summary: dict
 
     @property
@@ -200,7 +200,7 @@ def load_run(run_dir: str | Path) -> Run:
 def recomputed_staleness(row) -> tuple[float, float, float]:
     """(K, K_gen, K_wait) of a logged group recomputed from its per-response records alone (the
     version spans of its model tokens, each response's c(τ), the step its fate was decided): an
-    independent check of the logged `k`, `k_gen`, `k_wait` (DESIGN §2, token-weighted)."""
+    independent check of the logged `k`, `k_gen`, `k_wait` (docs/design.md §2, token-weighted)."""
     tokens = version_sum = completed = 0
     for spans, c in zip(row["version_spans"], row["completed_at"]):
         vs, ns = spans[0::2], spans[1::2]

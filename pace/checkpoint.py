@@ -1,4 +1,4 @@
-"""Checkpoints: what a run needs to continue as if it had not stopped (DESIGN §5).
+"""Checkpoints: what a run needs to continue as if it had not stopped (docs/design.md §5).
 
     <run>/checkpoints/step-000040/        θ_40: written after training step 39, before step 40
         model.safetensors optimizer.bin custom_checkpoint_0.pkl (LR schedule) random_states_<rank>.pkl

@@ -1,4 +1,4 @@
-"""Typed schema of every config group (DESIGN names), registered with Hydra's ConfigStore.
+"""Typed schema of every config group (the names of docs/design.md), registered with Hydra's ConfigStore.
 
 `conf/config.yaml` starts from the `pace_schema` node, so an unknown key or a value of the wrong
 type fails at composition naming the key. Value constraints that types cannot express are checked
@@ -167,7 +167,7 @@ class PoolConfig:
 
 @dataclass
 class PaceConfig:
-    """PACE (pool.name=pace): DESIGN §3, Algorithm 1."""
+    """PACE (pool.name=pace): docs/design.md §3, Algorithm 1."""
 
     score: str = "effective"  # effective | raw | generation
     gamma: float = 1.0  # sharpening of the PFS percentile u (paper: 1, 2, 4)

@@ -1,6 +1,6 @@
 """Run logging in one place: wandb (online/offline/disabled) plus a local run directory.
 
-Local layout (read by `analysis/`; names are the API of DESIGN §6):
+Local layout (read by `analysis/`; names are the API of docs/design.md §6):
     metrics.jsonl            one JSON object per training step (validations: `val/*` in the step's
                              row; the final weights' in rows after the last step)
     groups/part-NNNNN.parquet one row per group whose fate was decided (and, at the end, the rest)
@@ -40,7 +40,7 @@ def group_schema():
 
 
 def group_row(group: Group) -> dict:
-    """One per-group record (DESIGN §6). Staleness is taken at the step the fate was decided."""
+    """One per-group record (docs/design.md §6). Staleness is taken at the step the fate was decided."""
     trajs = [t for t in group.trajectories if len(t) > 0]
     spans = [version_spans(t.action_versions) for t in trajs]  # [v, n, v, n, …]; versions only go up
     row = {

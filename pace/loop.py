@@ -1,5 +1,5 @@
 """The pieces of train.py's loop that are not one call: waiting for batch j while watching the
-rollout thread, and the metrics a step logs about its batch, the pool and the rollout (DESIGN §6
+rollout thread, and the metrics a step logs about its batch, the pool and the rollout (docs/design.md §6
 names; the simulator logs the same ones, pace/sim/run.py).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ def wait_for_batch(pool, rollout, step: int, stop: StopSignal):
 
 
 def step_metrics(batch, pool, decided, t_wait: float, tools: bool = False) -> dict:
-    """Staleness of the consumed groups, pool state, rollout throughput (DESIGN §6 names).
+    """Staleness of the consumed groups, pool state, rollout throughput (docs/design.md §6 names).
 
     `train/*` describe the consumed batch, which dynamic sampling restricts to mixed groups;
     `rollout/{acc,reward}_mean` describe every group completed since the last step, filtered or
@@ -37,7 +37,7 @@ def step_metrics(batch, pool, decided, t_wait: float, tools: bool = False) -> di
     produced = [t for g in arrived for t in g.trajectories]
     rollout = {"rollout/groups_completed": len(arrived)}
     if all("s_eff" in g.scores for g in batch.groups):  # PACE scored them
-        # S_eff = K_wait + u^γ K_gen of the consumed groups (DESIGN §2), as the policy scored them
+        # S_eff = K_wait + u^γ K_gen of the consumed groups (docs/design.md §2), as the policy scored them
         rollout["staleness/effective_mean"] = sum(g.scores["s_eff"] for g in batch.groups) / n
     if produced:
         rollout["rollout/acc_mean"] = sum(t.correct for t in produced) / len(produced)

@@ -14,7 +14,7 @@ from pace import staleness
 
 
 class Fate(str, Enum):
-    """Where a submitted group ended (DESIGN §3). Every group has exactly one."""
+    """Where a submitted group ended (docs/design.md §3). Every group has exactly one."""
 
     INFLIGHT = "inflight"  # submitted to the engine, not all responses done or graded
     POOLED = "pooled"  # complete and graded, waiting in the pool
@@ -44,7 +44,7 @@ class Trajectory:
     In a multi-turn tool rollout the response also holds tool-output tokens: context the policy
     did not choose. ``action_mask[t]`` is False for those (their log-prob and version entries are
     placeholders): they are masked out of the loss and left out of the staleness averages
-    (DESIGN §2 averages over model-generated tokens). None: every token is an action.
+    (docs/design.md §2 averages over model-generated tokens). None: every token is an action.
     """
 
     __slots__ = ("_tok", "_n", "_masked", "_stream", "completed_at", "finish_reason", "correct", "reward",

@@ -1,4 +1,4 @@
-"""Rule reward for math answers (DESIGN §4): extract the final answer, check it against the gold.
+"""Rule reward for math answers (docs/design.md §4): extract the final answer, check it against the gold.
 
 Two layers, both pure (the process pool that runs them with deadlines is ``pace.grading``):
 

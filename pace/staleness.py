@@ -1,4 +1,4 @@
-"""Staleness of trajectories and groups (DESIGN §2, paper Sec. 2). Pure functions, no engine.
+"""Staleness of trajectories and groups (docs/design.md §2, paper Sec. 2). Pure functions, no engine.
 
 Trainer versions θ_0, θ_1, …; update j consumes a batch and produces θ_{j+1}. Response token
 y_t was produced by version v_t; the trajectory completed at trainer version c and is consumed
@@ -54,7 +54,7 @@ def group_staleness(
     """Token-weighted (K, K_gen, K_wait) of a group of trajectories consumed at ``step``.
 
     Each trajectory keeps its own completion version c(τ): a response that finished before its
-    siblings accrues Waiting Staleness while it waits for them (DESIGN §2).
+    siblings accrues Waiting Staleness while it waits for them (docs/design.md §2).
     """
     if len(versions) != len(completed_at) or not versions:
         raise ValueError("a group needs one completion version per trajectory, and at least one trajectory")

@@ -2,7 +2,7 @@
 best-average checkpoint.
 
 The rollout thread validates θ_v on the rollout engine (`RolloutWorker`, `eval.every`: the engines'
-side, pace/rollout/val_requests.py) and hands over a `ValResult`; the train loop logs `val_metrics` (DESIGN §6: `val/<bench>/mean@k`,
+side, pace/rollout/val_requests.py) and hands over a `ValResult`; the train loop logs `val_metrics` (docs/design.md §6: `val/<bench>/mean@k`,
 `val/avg`) and offers it to `BestCheckpoint`, which keeps the weights with the highest average
 among versions ≤ `eval.best_within` in `<run>/best` (Table 1's selection: the best six-benchmark
 average within 300 updates; pace/selection.py), whatever the weight-transfer backend (`publish`).

@@ -1,4 +1,4 @@
-"""Reward shaping and group-normalised advantages (DAPO, DESIGN §4). Pure Python, no torch."""
+"""Reward shaping and group-normalised advantages (DAPO, docs/design.md §4). Pure Python, no torch."""
 from __future__ import annotations
 
 import math

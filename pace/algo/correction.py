@@ -1,4 +1,4 @@
-"""Importance-sampling corrections of the behaviour ratio and train–inference mismatch (DESIGN §4).
+"""Importance-sampling corrections of the behaviour ratio and train–inference mismatch (docs/design.md §4).
 
 Pure tensor functions over the flat per-response-token layout of `pace.algo.microbatch.collate`:
 every tensor is [T] (the response tokens of a micro-batch, sequence after sequence), ``mask`` is

@@ -1,4 +1,4 @@
-"""Policy-gradient losses as pure tensor functions (DESIGN §4). No model, no distributed code.
+"""Policy-gradient losses as pure tensor functions (docs/design.md §4). No model, no distributed code.
 
 Shapes: every per-token tensor is [N] or [B, T] with a 0/1 ``mask`` of the same shape marking the
 response tokens that count. The loss is token-level: the sum over every counted token divided by
@@ -82,7 +82,7 @@ def m2po_loss(
     keep: torch.Tensor,
     num_tokens: int | float,
 ) -> LossOut:
-    """M2PO's objective (``algo=m2po``, ``algo.m2po_variant=paper``; Algorithm 1), DESIGN §4.
+    """M2PO's objective (``algo=m2po``, ``algo.m2po_variant=paper``; Algorithm 1), docs/design.md §4.
 
     L_t = −A_t r_t on the tokens ``keep`` holds (the mini-batch decision of
     `pace.algo.m2po.keep_mask`, made before the update), no clip; the sum is divided by
@@ -143,7 +143,7 @@ def decoupled_loss(
     *,
     weight: torch.Tensor | None = None,
 ) -> LossOut:
-    """Decoupled PPO (``algo.ratio_ref=proximal``, as in AReaL), DESIGN §4.
+    """Decoupled PPO (``algo.ratio_ref=proximal``, as in AReaL), docs/design.md §4.
 
     r_t = exp(log π_θ − log π_prox), with π_prox the policy at the start of step j (recomputed by the
     trainer); per token  L_t = w_t · surrogate(r_t, A_t)  with the same clip-higher + dual-clip

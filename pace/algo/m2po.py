@@ -1,4 +1,4 @@
-"""M2PO's decisions (Zheng et al. 2025, "Second-Moment Trust Policy Optimization"), DESIGN §4.
+"""M2PO's decisions (Zheng et al. 2025, "Second-Moment Trust Policy Optimization"), docs/design.md §4.
 
 Pure functions over the flat tokens of a whole mini-batch (every micro-batch of every rank, in
 one order): the trainer gathers them in a forward pass before the update (pace/algo/trainer.py),

@@ -4,7 +4,7 @@ One training step = one batch of B groups = `trainer.mini_batches` optimizer upd
 version increments once per step. The batch is formed on rank 0, which also plans every rank's
 micro-batches (pace/algo/microbatch.py: by count, or by a token budget) and scatters them: every
 rank gets its share. The loss is normalised by the token count of the whole mini-batch across
-ranks (token-level loss, DESIGN §4), so the result does not depend on the number of ranks or
+ranks (token-level loss, docs/design.md §4), so the result does not depend on the number of ranks or
 micro-batches.
 
 Memory per micro-batch is set by `trainer.logprob_chunk`: the log-probs of the response tokens

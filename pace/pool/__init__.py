@@ -1,4 +1,4 @@
-"""The completed-group pool and its policies (DESIGN §3).
+"""The completed-group pool and its policies (docs/design.md §3).
 
 `Pool` is the one thread-safe container and the fate accounting; a `PoolPolicy` decides admission
 (may the rollout start another group?) and selection (which pooled groups form batch j, which are

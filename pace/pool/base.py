@@ -1,4 +1,4 @@
-"""Pool of completed groups with exact fate accounting (DESIGN §3).
+"""Pool of completed groups with exact fate accounting (docs/design.md §3).
 
 Every group ever submitted ends in exactly one fate. The pool is the only place fates change:
 

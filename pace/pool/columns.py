@@ -5,7 +5,7 @@ groups a Python loop over `Group` objects costs hundreds of milliseconds that th
 on. `PoolColumns` keeps what policies read per group in NumPy arrays maintained incrementally:
 
     k_gen      Generation Staleness (fixed at completion)
-    c_mean     token-weighted mean completion version c̄, so K_wait(j) = j − c̄ (DESIGN §2)
+    c_mean     token-weighted mean completion version c̄, so K_wait(j) = j − c̄ (docs/design.md §2)
     completed  completion version c(group) (tie-break: older first)
     pfs        Prefix Forgetting Score, NaN until rescored
     pfs_version  weights version of that score, −1 until rescored

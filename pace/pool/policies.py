@@ -1,4 +1,4 @@
-"""Pool policies by name (`pool.name`). Each is a few lines over `PoolPolicy` (DESIGN §3 table).
+"""Pool policies by name (`pool.name`). Each is a few lines over `PoolPolicy` (docs/design.md §3 table).
 A `pool.name` of the form `module.path:ClassName` loads a policy from outside the package
 (`pace/pool/plugins.py`, docs/pool-policies.md "Writing a pool policy")."""
 from __future__ import annotations
@@ -81,7 +81,7 @@ class GatePolicy(PoolPolicy):
 
 
 class PacePolicy(PoolPolicy):
-    """PACE, per step j (DESIGN §3): occupancy-driven rejection budget, staleness ranking, FIFO draw.
+    """PACE, per step j (docs/design.md §3): occupancy-driven rejection budget, staleness ranking, FIFO draw.
 
     1. wait for B groups; 2. ρ_j from the pool's excess over `pace.target_pool`; 3. budget R_j;
     4. score every pooled group (`pace.score`); 5. reject the R_j highest scores (ties: older

@@ -1,4 +1,4 @@
-"""PACE's ranking scores and rejection budget (DESIGN §3, Algorithm 1). Pure functions, no engine.
+"""PACE's ranking scores and rejection budget (docs/design.md §3, Algorithm 1). Pure functions, no engine.
 
 Scores of a pooled group at step j (higher = staler = rejected first):
     generation   S = K_gen

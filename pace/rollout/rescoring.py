@@ -1,4 +1,4 @@
-"""PACE's prefix rescoring on the rollout engines (DESIGN §3): the Prefix Forgetting Score of
+"""PACE's prefix rescoring on the rollout engines (docs/design.md §3): the Prefix Forgetting Score of
 pooled groups under the loaded weights. A mixin of `RolloutWorker`; state: ``_rescoring``
 (group id → job), ``_rescore_started``, ``prefix_tokens``, and the worker's counters.
 

@@ -1,4 +1,4 @@
-"""The rollout thread: owns the vLLM engines, streams groups into the pool (DESIGN §5).
+"""The rollout thread: owns the vLLM engines, streams groups into the pool (docs/design.md §5).
 
 The one place that submits requests, records versions, grades, feeds the pool and rescores
 prefixes. Its loop, one pass at a time:

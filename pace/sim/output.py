@@ -1,4 +1,4 @@
-"""A simulated run's directory, as train.py writes it (pace/logger.py, DESIGN §6): metrics.jsonl, the
+"""A simulated run's directory, as train.py writes it (pace/logger.py, docs/design.md §6): metrics.jsonl, the
 per-group Parquet parts (same schema, built from version spans) and summary.json, plus wandb when
 `logger.mode` asks for it. `analysis.build` and `analysis/summarize_run.py` read it unchanged."""
 from __future__ import annotations

@@ -4,7 +4,7 @@ A cluster-scale simulation makes millions of responses of thousands of tokens; p
 would cost gigabytes and most of the run time. A response here is its length, its correctness,
 its completion version c(τ) and its version spans [v_0, n_0, v_1, n_1, …] (n_i consecutive
 tokens produced by weights v_i). Staleness is the same token-weighted integer arithmetic as
-`pace.staleness.group_staleness` (DESIGN §2), from Σ n_i and Σ v_i·n_i per response, so Lemma 1
+`pace.staleness.group_staleness` (docs/design.md §2), from Σ n_i and Σ v_i·n_i per response, so Lemma 1
 holds exactly and the logged spans let `analysis/summarize_run.py` recompute every value.
 
 The pool and its policies see a `Group` (id, completed_at, k_gen(), k_wait(), pfs, scores): they
@@ -79,7 +79,7 @@ def span_prefix_lag(spans: list, version: int, m: int) -> float:
 
 
 def group_columns(groups: list[SimGroup]) -> dict[str, list]:
-    """The per-group Parquet rows of `pace.logger.group_row` (same schema, DESIGN §6), as columns."""
+    """The per-group Parquet rows of `pace.logger.group_row` (same schema, docs/design.md §6), as columns."""
     cols: dict[str, list] = {name: [] for name in _COLUMNS}
     for grp in groups:
         complete = grp.remaining == 0

@@ -269,7 +269,7 @@ class Simulation:
                 self._finished(e.set_slowdown(factor, self.now))
                 self._touched.add(e)
 
-    # --- what a step logs: the names of pace/loop.py's step_metrics (DESIGN §6) ------------------
+    # --- what a step logs: the names of pace/loop.py's step_metrics (docs/design.md §6) ------------------
     def _metrics(self, batch, decided: list, wait: float, train_s: float, sync_s: float) -> dict:
         step, groups = batch.step, batch.groups
         ks = np.array([g.staleness(step) for g in groups])

@@ -97,7 +97,7 @@ class ToolRunner:
 
 
 def usage_metrics(trajectories) -> dict:
-    """Tool use of the responses completed in a step (`tools/*`, DESIGN §6 style names)."""
+    """Tool use of the responses completed in a step (`tools/*`, docs/design.md §6 style names)."""
     n = len(trajectories)
     used = [t for t in trajectories if t.tool_calls]
     correct = [t for t in trajectories if t.correct]

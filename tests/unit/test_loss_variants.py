@@ -1,4 +1,4 @@
-"""Tests for the M2PO decisions (pace.algo.m2po), m2po_loss, tis_pg_loss and decoupled_loss (DESIGN §4)
+"""Tests for the M2PO decisions (pace.algo.m2po), m2po_loss, tis_pg_loss and decoupled_loss (docs/design.md §4)
 against hand-computed values.
 
 Shared per-token surrogate S(r, A) (ε_low = 0.2, ε_high = 0.28, dual clip c = 3), as in dapo_loss:

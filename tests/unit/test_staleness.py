@@ -1,4 +1,4 @@
-"""Tests for pace.staleness and the staleness properties of pace.records.Group (DESIGN §2).
+"""Tests for pace.staleness and the staleness properties of pace.records.Group (docs/design.md §2).
 
 The property tests draw per-token versions v_t, a completion version c ≥ max v_t and a step
 j ≥ c, and check Lemma 1 (K = K_gen + K_wait) and the token-weighted group means against a
