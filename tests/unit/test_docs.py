@@ -195,3 +195,13 @@ def test_every_relative_link_and_anchor_resolves():
             elif frag and dest.suffix == ".md" and frag not in anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no heading #{frag} in {dest.name})")
     assert not broken, "\n".join(broken)
+
+
+def test_the_architecture_pages_layout_names_every_module():
+    """docs/architecture.md's package layout lists every module of pace/ (by its path, or by its
+    file name in a row that starts with its folder's first module)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text[text.index("## Package layout"):]
+    modules = sorted(p.relative_to(ROOT) for p in (ROOT / "pace").rglob("*.py") if p.name != "__init__.py")
+    missing = [str(m) for m in modules if f"`{m}`" not in table and f"`{m.name}`" not in table]
+    assert not missing, f"docs/architecture.md's package layout does not name: {missing}"
