@@ -257,6 +257,27 @@ def _hf_logprobs(model, ids: list[int], start: int, temperature: float = 1.0) ->
     return lp[0, start - 1:].tolist()
 
 
+def sampled_vs_trainer(llm, model, temperature: float, seed: int = 11) -> tuple[float, int, int]:
+    """Four 32-token samples of the engine at ``temperature`` (seeds ``seed`` …): the largest
+    |ℓ^μ − log π_θ| over their tokens against ``model``, the responses finished and their tokens."""
+    from vllm import SamplingParams
+
+    prompt = _prompt(llm)
+    for i in range(4):
+        params = SamplingParams(max_tokens=32, temperature=temperature, logprobs=0, detokenize=False, seed=seed + i)
+        llm.llm_engine.add_request(f"sync-{i}", {"prompt_token_ids": prompt}, params)
+    outs = []
+    while llm.llm_engine.has_unfinished_requests():
+        outs += [o.outputs[0] for o in llm.llm_engine.step() if o.finished]
+    worst = 0.0
+    for c in outs:
+        ids = list(c.token_ids)
+        engine = [lp[t].logprob for t, lp in zip(ids, c.logprobs)]
+        trainer = _hf_logprobs(model, prompt + ids, len(prompt), temperature)
+        worst = max(worst, max(abs(a - b) for a, b in zip(engine, trainer)))
+    return worst, len(outs), sum(len(c.token_ids) for c in outs)
+
+
 def _moved(tiny_model_path, seed: int, scale: float = 0.05):
     """The tiny model with every parameter moved by N(0, scale²): (HF model, its state dict as the
     trainer's sync sends it). Parameters, not state-dict entries, are perturbed, so the tied

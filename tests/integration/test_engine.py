@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import _hf_logprobs, _moved, _prompt
+from tests.helpers import _moved, _prompt, sampled_vs_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -58,30 +58,16 @@ def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tin
     """Guards against: weights that do not all reach the engine. After a load of the state dict of
     weights far from the engine's, the engine's ℓ^μ of the tokens it samples equals the trainer's
     log π_θ (its `token_logprobs` at the rollout temperature) to < 1e-4 per token."""
-    from vllm import SamplingParams
-
     from pace.rollout.engine import load_weights
 
     model, moved = _moved(tiny_model_path, seed=2)
     load_weights(llm, moved)
     try:
-        prompt = _prompt(llm)
-        for i in range(4):
-            params = SamplingParams(max_tokens=32, temperature=temperature, logprobs=0, detokenize=False, seed=7 + i)
-            llm.llm_engine.add_request(f"sync-check-{i}", {"prompt_token_ids": prompt}, params)
-        outs = []
-        while llm.llm_engine.has_unfinished_requests():
-            outs += [o.outputs[0] for o in llm.llm_engine.step() if o.finished]
+        worst, responses, tokens = sampled_vs_trainer(llm, model, temperature, seed=7)
     finally:
         load_weights(llm, weights)  # leave the shared engine as it was, pass or fail
-    assert len(outs) == 4
-    worst = 0.0
-    for c in outs:
-        ids = list(c.token_ids)
-        engine = [lp[t].logprob for t, lp in zip(ids, c.logprobs)]
-        trainer = _hf_logprobs(model, prompt + ids, len(prompt), temperature)
-        worst = max(worst, max(abs(a - b) for a, b in zip(engine, trainer)))
-    print(f"T={temperature}: max |ℓ^μ − log π_θ| = {worst:.2e} over {sum(len(c.token_ids) for c in outs)} tokens")
+    assert responses == 4
+    print(f"T={temperature}: max |ℓ^μ − log π_θ| = {worst:.2e} over {tokens} tokens")
     # float32 on both sides: 2.0e-5 (T = 1) and 3.2e-5 (T = 0.7) here, the same before and after the
     # tied-head fix: this path loads the state dict, which names `lm_head.weight` and so reloads the
     # head (the stale head of every real sync is test_weight_sync.py's). The bound was 1e-3 for a

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 
-from tests.helpers import _hf_logprobs, _prompt
+from tests.helpers import sampled_vs_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -109,25 +109,6 @@ def _audit(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine.last_audit
 
 
-def _sampled_vs_trainer(llm, model, temperature: float) -> float:
-    """Largest |ℓ^μ − log π_θ| over the tokens the engine samples (4 × 32) at ``temperature``."""
-    from vllm import SamplingParams
-
-    prompt = _prompt(llm)
-    for i in range(4):
-        params = SamplingParams(max_tokens=32, temperature=temperature, logprobs=0, detokenize=False, seed=11 + i)
-        llm.llm_engine.add_request(f"sync-{i}", {"prompt_token_ids": prompt}, params)
-    outs = []
-    while llm.llm_engine.has_unfinished_requests():
-        outs += [o.outputs[0] for o in llm.llm_engine.step() if o.finished]
-    worst = 0.0
-    for c in outs:
-        ids = list(c.token_ids)
-        engine = [lp[t].logprob for t, lp in zip(ids, c.logprobs)]
-        worst = max(worst, max(abs(a - b) for a, b in zip(engine, _hf_logprobs(model, prompt + ids, len(prompt), temperature))))
-    return worst
-
-
 @pytest.mark.parametrize("head", ["tied", "untied"])
 def test_the_engine_computes_with_the_trainers_weights_after_a_real_sync(head, request):
     """After a sync through the run's path, the engine's ℓ^μ of the tokens it samples equals the
@@ -138,7 +119,7 @@ def test_the_engine_computes_with_the_trainers_weights_after_a_real_sync(head, r
         model = _moved(path, seed)
         _sync(llm, model, version)
         for temperature in (1.0, 0.7):
-            worst = _sampled_vs_trainer(llm, model, temperature)
+            worst = sampled_vs_trainer(llm, model, temperature)[0]
             print(f"v{version} T={temperature}: max |ℓ^μ − log π_θ| = {worst:.2e}")
             assert worst < 1e-4, (version, temperature, worst)
     audit = _audit(llm)
@@ -174,4 +155,4 @@ def test_a_sync_that_misses_tensors_fails_naming_the_layers_and_the_engine_recov
         assert not unloaded, unloaded
     monkeypatch.undo()
     _sync(llm, model, 3)  # the failed update closed its session: the engine takes the next one
-    assert _sampled_vs_trainer(llm, model, 1.0) < 1e-4
+    assert sampled_vs_trainer(llm, model, 1.0)[0] < 1e-4
