@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pace.placement import _LAUNCHER_ENV, SHM_TRANSFER, Placement, backend_kind, visible_devices
+from pace.placement import _LAUNCHER_ENV, Placement, backend_kind, visible_devices
 
 
 def configure_environment(rollout_cfg, device: str) -> None:
@@ -69,10 +69,14 @@ def _engine_process_env(mode: str, gpus: list[int] | None, cache_root: str | Non
 
 
 def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str = "inproc",
-                 backend: str | None = SHM_TRANSFER, gpus: list[int] | None = None):
+                 backend: str | None = "auto", gpus: list[int] | None = None):
     """One vLLM engine (`LLM`). ``mode`` places its core; ``backend`` enables vLLM's weight
-    transfer (a `Placement.transfer`; by default pace's shared-memory backend, which `load_weights`
-    uses, registered in the worker by `worker_extension_cls`; None: no weight transfer)."""
+    transfer (a `Placement.transfer`; ``auto``: `rollout.weight_transfer` for this machine, pace's
+    shared-memory backend on CPU, which `load_weights` uses, registered in the worker by
+    `worker_extension_cls`; None: no weight transfer)."""
+    if backend == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = Placement(device, 1, mode, backend_kind(rollout_cfg, device), None).transfer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "child" else "0"
     with _engine_process_env(mode, gpus):
         return _new_llm(model_path, rollout_cfg, dtype, seed, backend)

@@ -152,3 +152,24 @@ def test_servers_a_run_starts_on_cuda_get_the_gpus_after_the_trainers_whatever_t
     assert (servers.mode, servers.backend, servers.gpus) == ("server", "nccl", ((1,), (2,)))
     cfg.engine_process = "child"
     assert Placement.of(cfg, "cuda", 1, local_trainers=1).gpus is None  # a colocated child engine: the trainer's GPU
+
+
+def test_an_engine_built_without_a_backend_gets_the_one_configured_for_this_machine(monkeypatch):
+    """`build_engine`'s default: `rollout.weight_transfer` for this machine (as a run's placement
+    names it), not pace's shared-memory backend on every machine; None: no weight transfer."""
+    import torch
+
+    from pace.rollout import engine as engine_lib
+
+    built = []
+    monkeypatch.setattr(engine_lib, "_new_llm", lambda path, cfg, dtype, seed, backend: built.append(backend))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # build_engine sets it; restored after
+    cfg = OmegaConf.create({"engine_process": "auto", "weight_transfer": "auto", "placement": "separate", "engines": 1,
+                            "tensor_parallel_size": 1, "gpus": None})
+    engine_lib.build_engine("m", cfg, "float32", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine_lib.build_engine("m", cfg, "float32", 0)
+    cfg.placement = "colocate"
+    engine_lib.build_engine("m", cfg, "float32", 0)
+    engine_lib.build_engine("m", cfg, "float32", 0, backend=None)
+    assert built == ["pace_shm", "nccl", "ipc", None]
