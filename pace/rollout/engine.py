@@ -300,7 +300,7 @@ def rescore(llm, sequences: list[tuple[list[int], int]]) -> list[list[float]]:
 
     engine = llm.llm_engine
     params = scoring_params()
-    index = {request_ids.scoring(0, i): i for i in range(len(sequences))}
+    index = {request_ids.rescore(i): i for i in range(len(sequences))}
     for rid, i in index.items():
         engine.add_request(rid, {"prompt_token_ids": sequences[i][0]}, params)
     results: dict[int, list[float]] = {}
