@@ -1,6 +1,6 @@
 """Where the rollout engines run and how weights reach them, as `rollout` says: the engine process
-(`engine_mode`), the weight-transfer backend (`backend_kind`, `transfer_backend`), each engine's
-GPUs (`engine_gpus`, `visible_devices`), the launcher variables an engine process must not see.
+(`engine_mode`), the weight-transfer backend (`backend_kind`), each engine's GPUs (`engine_gpus`,
+`visible_devices`), the launcher variables an engine process must not see.
 Functions of the config alone, importable without vLLM.
 
 A run computes them once, into a frozen `Placement` handed to the fleet, the weight sync and the
@@ -76,11 +76,6 @@ def backend_kind(rollout_cfg, device: str) -> str:
     if backend == "auto":  # NCCL cannot pair two processes on one GPU: a colocated engine uses CUDA IPC
         backend = "shm" if device == "cpu" else "ipc" if rollout_cfg.placement == "colocate" else "nccl"
     return backend
-
-
-def transfer_backend(rollout_cfg, device: str) -> str:
-    backend = backend_kind(rollout_cfg, device)
-    return SHM_TRANSFER if backend == "shm" else backend
 
 
 def engine_gpus(rollout_cfg, trainer_gpus: int) -> list[list[int]]:

@@ -30,6 +30,8 @@ def configure_environment(rollout_cfg, device: str) -> None:
     # an engine core in a child process is started fresh (never a fork of a trainer process,
     # whose torch.distributed state vLLM would find and join)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # backend_kind, not Placement.of: train.py calls this before its Accelerator exists, so the
+    # world size Placement.of needs is not known yet (the backend does not depend on it)
     if backend_kind(rollout_cfg, device) == "ipc" and rollout_cfg.engine_process != "inproc":
         # vLLM's IPC update hands the engine CUDA IPC handles (a rebuild function and its
         # arguments) as collective_rpc arguments; between processes its msgpack encoder and the
