@@ -1,6 +1,6 @@
 """Where the rollout engines run and how weights reach them, as `rollout` says: the engine process
-(`engine_mode`), the weight-transfer backend (`backend_kind`, `transfer_backend`), each engine's
-GPUs (`engine_gpus`, `visible_devices`), the launcher variables an engine process must not see.
+(`engine_mode`), the weight-transfer backend (`backend_kind`), each engine's GPUs (`engine_gpus`,
+`visible_devices`), the launcher variables an engine process must not see.
 Functions of the config alone, importable without vLLM.
 
 A run computes them once, into a frozen `Placement` handed to the fleet, the weight sync and the
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from pace.errors import ConfigError
 
 
 # torchrun / accelerate variables: an engine process must not see the trainer's world
@@ -41,12 +43,17 @@ class Placement:
     @classmethod
     def of(cls, rollout_cfg, device: str, world: int, local_trainers: int | None = None) -> Placement:
         """The placement `rollout` describes for ``world`` trainer processes on ``device``;
-        ``local_trainers``: those on this node (default: the launcher's LOCAL_WORLD_SIZE, else ``world``),
-        the GPUs engines start after. Servers this run starts get GPUs of their own whatever
-        `rollout.placement` says (their process never shares the trainer's GPU)."""
+        ``local_trainers``: those on this node, the GPUs engines start after (default: the
+        launcher's LOCAL_WORLD_SIZE, else ``world`` for engines, 1 for servers). On CUDA, engines
+        placed ``separate`` get GPUs of their own, and so do the servers this run starts whatever
+        `rollout.placement` says (their process never shares the trainer's GPU); `rollout.servers`
+        on other hosts get none (each server takes its own share: pace/rollout/server.py)."""
         mode = engine_mode(rollout_cfg, device, world)
         gpus = None
-        if device == "cuda" and (rollout_cfg.placement == "separate" or mode == "server"):
+        if device == "cuda" and mode == "server" and not rollout_cfg.servers:
+            local = local_trainers if local_trainers is not None else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            gpus = tuple(tuple(g) for g in engine_gpus(rollout_cfg, local))
+        elif device == "cuda" and mode != "server" and rollout_cfg.placement == "separate":
             local = local_trainers if local_trainers is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
             gpus = tuple(tuple(g) for g in engine_gpus(rollout_cfg, local))
         return cls(device=device, world=world, mode=mode, backend=backend_kind(rollout_cfg, device), gpus=gpus)
@@ -71,18 +78,13 @@ def backend_kind(rollout_cfg, device: str) -> str:
     return backend
 
 
-def transfer_backend(rollout_cfg, device: str) -> str:
-    backend = backend_kind(rollout_cfg, device)
-    return SHM_TRANSFER if backend == "shm" else backend
-
-
 def engine_gpus(rollout_cfg, trainer_gpus: int) -> list[list[int]]:
     """The GPU ids of each engine: `rollout.gpus` if given, else the GPUs after the trainer's
     (engine e on trainer_gpus + e·TP … + TP − 1)."""
     tp, n = rollout_cfg.tensor_parallel_size, rollout_cfg.engines
     ids = list(rollout_cfg.gpus) if rollout_cfg.gpus else list(range(trainer_gpus, trainer_gpus + n * tp))
     if len(ids) != n * tp:
-        raise ValueError(f"rollout.gpus: {n} engines × tensor_parallel_size {tp} need {n * tp} GPU ids, got {ids}")
+        raise ConfigError(f"rollout.gpus: {n} engines × tensor_parallel_size {tp} need {n * tp} GPU ids, got {ids}")
     return [ids[e * tp : (e + 1) * tp] for e in range(n)]
 
 

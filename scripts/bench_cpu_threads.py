@@ -35,13 +35,15 @@ def child(mode: str, seconds: float) -> dict:
 
     from pace.algo.trainer import DAPOTrainer
     from pace.config import Config
+    from pace.placement import Placement
     from pace.records import Batch, Group, Trajectory
     from pace.rollout.engine import build_engine
     from pace.tiny import TinySpec, build_tiny
 
     cfg = OmegaConf.structured(Config)
     path = str(build_tiny(TinySpec(), ROOT / cfg.model.cache_dir, progress=False))
-    llm = build_engine(path, cfg.rollout, "float32", seed=0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = build_engine(path, cfg.rollout, "float32", seed=0, backend=Placement.of(cfg.rollout, device, 1).transfer)
     trainer = DAPOTrainer(path, cfg, Accelerator(cpu=True))
     prompt = llm.get_tokenizer()("12+345+67=?\n", add_special_tokens=False).input_ids
     params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=1.0, logprobs=0, detokenize=False)

@@ -36,17 +36,21 @@ def main() -> None:
     cfg = OmegaConf.structured(Config)
     cfg.data.arithmetic.n_val = args.problems
     engine_lib.configure_environment(cfg.rollout, "cpu")
+    import torch
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     from pace import evaluation
     from pace.grading import Grader
+    from pace.placement import Placement
     from pace.tiny import TinySpec, build_tiny
 
     model = str(build_tiny(TinySpec(), ROOT / "data" / "cache", progress=True))
     sets = evaluation.load_sets(["arithmetic"], None, "dapo", OmegaConf.to_object(cfg.data.arithmetic))
     prompts = [p for ps in sets.values() for p in ps]
-    llm = engine_lib.build_engine(model, cfg.rollout, cfg.model.dtype, cfg.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    placement = Placement.of(cfg.rollout, device, 1)  # the engine's weight-transfer backend, as eval.py's
+    llm = engine_lib.build_engine(model, cfg.rollout, cfg.model.dtype, cfg.seed, backend=placement.transfer)
     kw = dict(n=args.k, max_tokens=cfg.rollout.max_tokens, temperature=1.0, top_p=1.0)
     plain = SamplingParams(**kw)
     final = SamplingParams(**kw, output_kind=RequestOutputKind.FINAL_ONLY)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pace.placement import _LAUNCHER_ENV, SHM_TRANSFER, Placement, backend_kind, visible_devices
+from pace.placement import _LAUNCHER_ENV, Placement, backend_kind, visible_devices
 
 
 def configure_environment(rollout_cfg, device: str) -> None:
@@ -30,6 +30,8 @@ def configure_environment(rollout_cfg, device: str) -> None:
     # an engine core in a child process is started fresh (never a fork of a trainer process,
     # whose torch.distributed state vLLM would find and join)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # backend_kind, not Placement.of: train.py calls this before its Accelerator exists, so the
+    # world size Placement.of needs is not known yet (the backend does not depend on it)
     if backend_kind(rollout_cfg, device) == "ipc" and rollout_cfg.engine_process != "inproc":
         # vLLM's IPC update hands the engine CUDA IPC handles (a rebuild function and its
         # arguments) as collective_rpc arguments; between processes its msgpack encoder and the
@@ -69,10 +71,14 @@ def _engine_process_env(mode: str, gpus: list[int] | None, cache_root: str | Non
 
 
 def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str = "inproc",
-                 backend: str | None = SHM_TRANSFER, gpus: list[int] | None = None):
+                 backend: str | None = "auto", gpus: list[int] | None = None):
     """One vLLM engine (`LLM`). ``mode`` places its core; ``backend`` enables vLLM's weight
-    transfer (a `Placement.transfer`; by default pace's shared-memory backend, which `load_weights`
-    uses, registered in the worker by `worker_extension_cls`; None: no weight transfer)."""
+    transfer (a `Placement.transfer`; ``auto``: `rollout.weight_transfer` for this machine, pace's
+    shared-memory backend on CPU, which `load_weights` uses, registered in the worker by
+    `worker_extension_cls`; None: no weight transfer)."""
+    if backend == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = Placement(device, 1, mode, backend_kind(rollout_cfg, device), None).transfer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "child" else "0"
     with _engine_process_env(mode, gpus):
         return _new_llm(model_path, rollout_cfg, dtype, seed, backend)
@@ -296,7 +302,7 @@ def rescore(llm, sequences: list[tuple[list[int], int]]) -> list[list[float]]:
 
     engine = llm.llm_engine
     params = scoring_params()
-    index = {request_ids.scoring(0, i): i for i in range(len(sequences))}
+    index = {request_ids.rescore(i): i for i in range(len(sequences))}
     for rid, i in index.items():
         engine.add_request(rid, {"prompt_token_ids": sequences[i][0]}, params)
     results: dict[int, list[float]] = {}

@@ -9,6 +9,10 @@ first character:
     v<version>-<rest>       an in-training validation of θ_<version> (pace/evaluation.py's `EvalRun`
                             names the rest: ``<set>-<problem>[-<sample>[-<turn>]]``)
 
+`rescore` (pace/rollout/engine.py: tests, evaluation, on an engine the caller steps itself) names
+its requests ``rescore-<i>``, apart from all three: never a rollout request, so one on an engine a
+rollout worker shares is never taken for the worker's (`parse` refuses it like any other id).
+
 A group's requests are kept on one engine under its group key (``g<group>`` / ``s<group>``); a
 server's fleet sends each request under a wire id ``<id>.<serial>`` of its own (a request sent again
 after a failure is a new one to the server).
@@ -36,6 +40,11 @@ def response(group: int, index: int, turn: int = 0) -> str:
 
 def scoring(group: int, index: int) -> str:
     return f"{SCORING}{group}-{index}"
+
+
+def rescore(index: int) -> str:
+    """Sequence ``index`` of a `rescore` call (not a rollout request: `parse` refuses it)."""
+    return f"rescore-{index}"
 
 
 def group_key(kind: str, group: int) -> str:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from pace.net import free_port
-from pace.placement import Placement
+from pace.placement import Placement, backend_kind, engine_mode
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the servers import pace from it
 
@@ -187,9 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     register()
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=["rollout.engine_process=server", *args.overrides])
-    placement = Placement.of(cfg.rollout, "cuda" if _has_cuda() else "cpu", world=1)
-    model = args.model or _model_path(cfg)
+    device = "cuda" if _has_cuda() else "cpu"
+    # of the run's placement only the mode and backend: the fleet's GPUs (`Placement.of`, every
+    # engine's, checked against `rollout.gpus`) are not this server's, which takes its own share below
     r = cfg.rollout
+    placement = Placement(device, 1, engine_mode(r, device, 1), backend_kind(r, device), None)
+    model = args.model or _model_path(cfg)
     gpus = None  # a server on a node of its own: `rollout.gpus`' share of engine E, else every visible GPU
     if placement.device == "cuda" and r.gpus:
         gpus = list(r.gpus)[args.engine * r.tensor_parallel_size:(args.engine + 1) * r.tensor_parallel_size]

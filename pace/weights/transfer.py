@@ -199,7 +199,7 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
             client.init_weight_transfer_engine(asdict(ShmInitInfo(directory=init_info.directory)))
         return engine
 
-    def write(self, version: int) -> WeightUpdate | None:
+    def write(self, version: int | None) -> WeightUpdate | None:
         """Materialise and write θ_version (every rank iterates; rank 0 writes). The update on rank 0."""
         meta = self.source.metadata()
         if not self.is_sender:
@@ -212,7 +212,9 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
             info = write_slot(self.paths[slot], meta, iter(self.source))
         return WeightUpdate(version, asdict(info), self.locks[slot])
 
-    def send_weights(self, version: int) -> None:
+    def send_weights(self, version: int | None = None) -> None:
+        """vLLM's call (no argument): θ written and handed to the client, the engines' version
+        label kept (None); a `WeightSync` writes its updates with their version instead."""
         update = self.write(version)
         if update is not None:
             self.client.post_update(update)

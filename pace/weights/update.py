@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, eq=False)
 class WeightUpdate:
-    version: int  # the trainer step whose weights these are (θ_version); the engines' label after it loads
+    version: int | None  # the trainer step whose weights these are (θ_version); the engines' label after it
+    # loads (None: the label stays, vLLM's argument-less `send_weights`)
     info: dict | None = None  # the backend's update info as vLLM's `update_weights` takes it (shm: the slot
     # file's `ShmUpdateInfo`); None when the weights are broadcast during the update (nccl, gloo, ipc)
     lock: threading.Lock | None = None  # shm: held while the slot is read, so the trainer does not rewrite it

@@ -147,8 +147,68 @@ def test_a_placement_is_computed_once_from_the_config_and_frozen():
 def test_servers_a_run_starts_on_cuda_get_the_gpus_after_the_trainers_whatever_the_placement():
     """As `launch_local` has always placed them: a server process never shares the trainer's GPU."""
     cfg = OmegaConf.create({"engine_process": "server", "weight_transfer": "auto", "placement": "colocate", "engines": 2,
-                            "tensor_parallel_size": 1, "gpus": None})
+                            "tensor_parallel_size": 1, "gpus": None, "servers": []})
     servers = Placement.of(cfg, "cuda", 1, local_trainers=1)
     assert (servers.mode, servers.backend, servers.gpus) == ("server", "nccl", ((1,), (2,)))
     cfg.engine_process = "child"
     assert Placement.of(cfg, "cuda", 1, local_trainers=1).gpus is None  # a colocated child engine: the trainer's GPU
+
+
+def test_an_engine_built_without_a_backend_gets_the_one_configured_for_this_machine(monkeypatch):
+    """`build_engine`'s default: `rollout.weight_transfer` for this machine (as a run's placement
+    names it), not pace's shared-memory backend on every machine; None: no weight transfer."""
+    import torch
+
+    from pace.rollout import engine as engine_lib
+
+    built = []
+    monkeypatch.setattr(engine_lib, "_new_llm", lambda path, cfg, dtype, seed, backend: built.append(backend))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # build_engine sets it; restored after
+    cfg = OmegaConf.create({"engine_process": "auto", "weight_transfer": "auto", "placement": "separate", "engines": 1,
+                            "tensor_parallel_size": 1, "gpus": None})
+    engine_lib.build_engine("m", cfg, "float32", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine_lib.build_engine("m", cfg, "float32", 0)
+    cfg.placement = "colocate"
+    engine_lib.build_engine("m", cfg, "float32", 0)
+    engine_lib.build_engine("m", cfg, "float32", 0, backend=None)
+    assert built == ["pace_shm", "nccl", "ipc", None]
+
+
+def test_engines_on_servers_elsewhere_get_no_gpus_and_the_ones_started_here_start_after_one_trainer(monkeypatch):
+    """Servers on other hosts (`rollout.servers`) take their own share there: the run places none,
+    so a `rollout.gpus` meant for those hosts is not checked here. Servers the run starts (and
+    separate engines) start after the trainer processes on this node: LOCAL_WORLD_SIZE, else one
+    for servers and the whole world for engines."""
+    from pace.errors import ConfigError
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = OmegaConf.create({"engine_process": "server", "weight_transfer": "auto", "placement": "separate", "engines": 2,
+                            "tensor_parallel_size": 1, "gpus": [4, 5, 6], "servers": ["http://a:8100", "http://b:8100"]})
+    remote = Placement.of(cfg, "cuda", 4)
+    assert (remote.mode, remote.backend, remote.gpus) == ("server", "nccl", None)
+    cfg.servers, cfg.gpus = [], None
+    assert Placement.of(cfg, "cuda", 4).gpus == ((1,), (2,))  # started here: after one trainer GPU
+    cfg.engine_process = "child"
+    assert Placement.of(cfg, "cuda", 4).gpus == ((4,), (5,))  # separate engines: after the world's
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert Placement.of(cfg, "cuda", 4).gpus == ((2,), (3,))
+    cfg.gpus = [4, 5, 6]  # two engines of one GPU each: a one-line error naming the key, exit status 2 in train.py
+    with pytest.raises(ConfigError, match=r"^rollout\.gpus: 2 engines × tensor_parallel_size 1 need 2 GPU ids"):
+        Placement.of(cfg, "cuda", 4)
+
+
+def test_a_server_started_by_hand_takes_its_engines_share_of_the_gpus_and_the_runs_backend(monkeypatch):
+    """`python -m pace.rollout.server --engine E`: engine E's slice of `rollout.gpus`, unchecked
+    against the fleet's size (the list may name other hosts' GPUs too), and the run's backend."""
+    from pace.rollout import server
+
+    started = []
+    monkeypatch.setattr(server, "_has_cuda", lambda: True)
+    monkeypatch.setattr(server.os, "execve", lambda exe, cmd, env: started.append((cmd, env)))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    server.main(["--engine", "1", "--model", "m", "rollout.engines=2", "rollout.tensor_parallel_size=2",
+                 "rollout.gpus=[0,1,2,3,4,5]"])
+    (cmd, env), = started
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "pace_nccl"}'  # nccl, checked

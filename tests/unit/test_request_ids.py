@@ -42,3 +42,44 @@ def test_a_group_key_is_only_for_responses_and_scoring():
 
 def test_a_wire_id_is_the_request_and_its_serial():
     assert ids.wire("g3-1-2", 17) == "g3-1-2.17"
+
+
+def test_rescore_ids_are_apart_from_the_rollouts_and_refused_by_parse():
+    """`rescore`'s requests share an engine with a rollout worker's in tests: none may be taken
+    for a scoring request of the worker's (``s<group>-<i>``), nor read as any rollout request."""
+    assert [ids.rescore(i) for i in range(2)] == ["rescore-0", "rescore-1"]  # the ids rescore has always sent
+    assert ids.rescore(0) not in (ids.scoring(0, 0), ids.response(0, 0))
+    with pytest.raises(ValueError, match="not one of the rollout's"):
+        ids.parse(ids.rescore(0))
+
+
+def test_rescore_sends_its_own_ids_and_takes_only_their_outputs(monkeypatch):
+    """On an engine a rollout worker shares, a finished scoring request of its group 0 is not
+    one of `rescore`'s answers."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from pace.rollout import engine as engine_lib
+
+    monkeypatch.setattr(engine_lib, "scoring_params", lambda: "params")
+
+    def out(rid, logprob):
+        return SimpleNamespace(request_id=rid, finished=True,
+                               prompt_logprobs=[None] + [defaultdict(lambda: SimpleNamespace(logprob=logprob))] * 3)
+
+    class Engine:
+        def __init__(self):
+            self.added = []
+
+        def add_request(self, rid, prompt, params):
+            self.added.append((rid, prompt["prompt_token_ids"], params))
+
+        def step(self):
+            # the worker's scoring request first, then rescore's own
+            return [out(ids.scoring(0, 0), -9.0), out(ids.scoring(0, 1), -9.0)] + [
+                out(rid, -float(i + 1)) for i, (rid, _, _) in enumerate(self.added)]
+
+    llm = SimpleNamespace(llm_engine=Engine())
+    scores = engine_lib.rescore(llm, [([5, 1, 2, 3], 2), ([5, 3, 2, 1], 1)])
+    assert [rid for rid, _, _ in llm.llm_engine.added] == [ids.rescore(0), ids.rescore(1)]
+    assert scores == [[-1.0, -1.0], [-2.0, -2.0, -2.0]]

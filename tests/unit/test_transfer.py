@@ -53,6 +53,34 @@ def test_a_source_that_disagrees_with_its_metadata_is_refused(tmp_path):
         transfer.write_slot(str(tmp_path / "s.bin"), transfer.tensor_meta(named), iter(named[:1]))
 
 
+def test_the_shm_trainer_engine_sends_as_vllm_calls_it_without_a_version_and_as_pace_does_with_one(tmp_path):
+    """vLLM's trainer-side interface is `send_weights()`: the slot is written and handed over, the
+    engines' label kept (None); with a version, the update carries it."""
+    from pace.weights import transfer
+
+    class Client:
+        def __init__(self):
+            self.inits, self.updates = [], []
+
+        def init_weight_transfer_engine(self, info):
+            self.inits.append(info)
+
+        def post_update(self, update):
+            self.updates.append(update)
+
+    model = torch.nn.Linear(3, 2)
+    client = Client()
+    engine = transfer.ShmTrainerWeightTransferEngine.trainer_init(
+        transfer.ShmTrainerInitInfo(directory=str(tmp_path), run_id="t", rank=0), client=client,
+        source=transfer.CastSource(model, torch.float32))
+    engine.send_weights()
+    engine.send_weights(3)
+    assert [u.version for u in client.updates] == [None, 3] and len(client.inits) == 1
+    back = dict(transfer.read_slot(client.updates[0].info))
+    assert torch.equal(back["weight"], model.weight.detach()) and torch.equal(back["bias"], model.bias.detach())
+    engine.shutdown()
+
+
 class _Engine:
     def __init__(self):
         self.added, self.aborted = [], []
