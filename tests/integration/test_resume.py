@@ -152,15 +152,12 @@ def test_resume_without_the_groups_in_flight_drops_them(tiny_model_path, tmp_pat
     assert list(resumed.prompt_id[: len(returned)]) == returned
 
 
-def test_sync_resume_equals_the_uninterrupted_run(tiny_model_path, tmp_path):
-    """Sync policy, fixed seed, rollout.deterministic: resuming from the step-3 checkpoint
-    reproduces the uninterrupted run's steps 3 to 5: same groups (ids, prompts, responses' lengths
-    and rewards), same losses, to the bit."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    args = ["+exp=sync_tiny", "trainer.steps=6", "trainer.save_every=3", "rollout.deterministic=true",
-            "logger.mode=disabled", *SMALL]
-    proc = run_train(args, a)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_sync_resume_equals_the_uninterrupted_run(sync_run, tmp_path):
+    """Sync policy, fixed seed, rollout.deterministic (the shared sync run, tests/conftest.py: 10
+    steps, a checkpoint every 3): resuming a copy of it from the step-3 checkpoint reproduces the
+    uninterrupted run's steps 3 to 9: same groups (ids, prompts, responses' lengths and rewards),
+    same losses, to the bit."""
+    a, b = sync_run, tmp_path / "b"
     shutil.copytree(a, b)
     proc = run_train([f"resume={b / 'checkpoints' / 'step-000003'}"], tmp_path / "resume-hydra")
     assert proc.returncode == 0, proc.stderr[-3000:]
