@@ -51,14 +51,7 @@ class StandInEngine:
             self.client.finish_weight_update()
 
 
-def _rank(rank: int, ports: dict, results) -> None:
-    """Each case in ``ports`` (use_barrier: port) in turn, in a process group of its own: the
-    processes' start (spawn, vLLM imported) is paid once for both."""
-    for use_barrier, port in ports.items():
-        _case(rank, port, use_barrier, results)
-
-
-def _case(rank: int, port: int, use_barrier: bool, results) -> None:
+def _rank(rank: int, port: int, use_barrier: bool, results) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -79,9 +72,9 @@ def _case(rank: int, port: int, use_barrier: bool, results) -> None:
     t0 = time.perf_counter()
     try:
         sync.publish(1)
-        results.put((use_barrier, rank, "ok", time.perf_counter() - t0))
+        results.put((rank, "ok", time.perf_counter() - t0))
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        results.put((use_barrier, rank, str(exc).splitlines()[0], time.perf_counter() - t0))
+        results.put((rank, str(exc).splitlines()[0], time.perf_counter() - t0))
     finally:
         try:
             dist.destroy_process_group()
@@ -89,26 +82,19 @@ def _case(rank: int, port: int, use_barrier: bool, results) -> None:
             pass
 
 
-def _free_port() -> int:
+def _publish(use_barrier: bool) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def published() -> dict:
-    """{use_barrier: {rank: (outcome, seconds)}}: both cases run by one pair of processes, the case
-    with the barrier first (the one without leaves its group broken by the timeout)."""
-    ports = {True: _free_port(), False: _free_port()}
+        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, ports, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, use_barrier, results)) for r in range(2)]
     for p in procs:
         p.start()
-    out = {True: {}, False: {}}
-    for _ in range(2 * len(procs)):
-        use_barrier, rank, what, seconds = results.get(timeout=120)
-        out[use_barrier][rank] = (what, seconds)
+    out = {}
+    for _ in procs:
+        rank, what, seconds = results.get(timeout=120)
+        out[rank] = (what, seconds)
     for p in procs:
         p.join(timeout=30)
         if p.is_alive():
@@ -116,14 +102,14 @@ def published() -> dict:
     return out
 
 
-def test_other_ranks_wait_for_a_held_update_at_the_control_barrier_not_in_the_all_gather(published):
-    out = published[True]
+def test_other_ranks_wait_for_a_held_update_at_the_control_barrier_not_in_the_all_gather():
+    out = _publish(use_barrier=True)
     assert out[0][0] == "ok" and out[1][0] == "ok", out
     assert out[1][1] >= HELD_S - 0.5  # rank 1 did wait the whole hold, and outlived its collective timeout
 
 
-def test_without_the_barrier_the_wait_falls_in_the_all_gather_and_times_out(published):
+def test_without_the_barrier_the_wait_falls_in_the_all_gather_and_times_out():
     """The hazard the barrier removes, shown with the same processes: rank 1 waits for rank 0's held
     update inside the first all-gather and dies at the collective timeout."""
-    out = published[False]
+    out = _publish(use_barrier=False)
     assert out[1][0] != "ok" and out[1][1] < HELD_S, out
