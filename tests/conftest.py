@@ -58,6 +58,67 @@ def tiny_tool_model_path() -> str:
     return str(build_tiny(OmegaConf.to_object(spec), ROOT / "data" / "cache", progress=False))
 
 
+# ---------------------------------------------------------------- finished runs that several tests read
+# Each costs a `train.py` start (~20 s on 2 cores before the first step), so a run whose outputs
+# several tests check is made once. The tests read these folders and never write into them (one that
+# resumes a run copies it first).
+
+@pytest.fixture(scope="session")
+def async_run(tiny_model_path, tmp_path_factory):
+    """Async, 6 steps at B = 8 with 32 groups in flight, logged offline to wandb too, the effective
+    staleness recorded on every consumed group (`pool.record_effective=1.0`): what
+    test_train_e2e.py's logging and test_record_effective_run.py read."""
+    from tests.helpers import run_train
+
+    run_dir = tmp_path_factory.mktemp("async_run")
+    proc = run_train(["+exp=async_tiny", "trainer.steps=6", "data.batch_prompts=8", "rollout.max_inflight_groups=32",
+                      "eval.every=0", "logger.mode=offline", "pool.record_effective=1.0"], run_dir, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def sync_run(tiny_model_path, tmp_path_factory):
+    """Sync, 10 steps at B = 8, repeatable (`rollout.deterministic`), checkpoints at steps 3, 6, 9
+    and 10, all kept: test_train_e2e.py checks it is on-policy, test_resume.py that a resume from
+    step 3 equals it."""
+    from tests.helpers import run_train
+
+    run_dir = tmp_path_factory.mktemp("sync_run")
+    proc = run_train(["+exp=sync_tiny", "trainer.steps=10", "trainer.save_every=3", "trainer.keep_checkpoints=4",
+                      "rollout.deterministic=true", "logger.mode=disabled", "data.batch_prompts=8",
+                      "rollout.max_inflight_groups=16", "eval.every=0"], run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+# B = 8 with 32 groups in flight (4 batches) and ρ without smoothing: a backlog forms within a
+# few steps and both PACE variants reject, however busy the machine (16 in flight was not enough
+# once, with the CI's cores shared: PACE (raw) then rejected nothing in 5 steps).
+STUDY_SHORT = ["trainer.steps=5", "data.batch_prompts=8", "rollout.max_inflight_groups=32", "pace.ema=0.0",
+               "eval.every=2", "eval.k=2", "eval.val_max_problems=5", "logger.mode=offline", "logger.progress=false"]
+STUDY_SWEEPS = {
+    "main": ["+exp=sync_tiny,async_tiny,pace_tiny,pace_raw_tiny"],
+    "stalek": ["+exp=stalek_tiny", "pool.max_lag=1,8"],
+}
+
+
+@pytest.fixture(scope="session")
+def study(tiny_model_path, tmp_path_factory):
+    """Short tiny runs of every method the figures need, as two `train.py -m` sweeps (one folder
+    each under the returned root): what test_analysis_runs.py builds into figures and tables, and
+    test_train_e2e.py's check of a multirun's job folders reads."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("study")
+    for name, args in STUDY_SWEEPS.items():
+        cmd = [sys.executable, str(ROOT / "train.py"), "-m", *args, *STUDY_SHORT, f"hydra.sweep.dir={root / name}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
 TIERS = ("unit", "integration")
 
 

@@ -1,5 +1,6 @@
-"""analysis/ on real logs: short tiny runs of every method the figures need, built into every
-figure, the report and Table 1, from local records and from the offline wandb runs alone."""
+"""analysis/ on real logs: short tiny runs of every method the figures need (the `study` fixture,
+tests/conftest.py), built into every figure, the report and Table 1, from local records and from the
+offline wandb runs alone."""
 from __future__ import annotations
 
 import json
@@ -14,26 +15,6 @@ from analysis.runs import load
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.integration
-
-# B = 8 with 32 groups in flight (4 batches) and ρ without smoothing: a backlog forms within a
-# few steps and both PACE variants reject, however busy the machine (16 in flight was not enough
-# once, with the CI's cores shared: PACE (raw) then rejected nothing in 5 steps).
-SHORT = ["trainer.steps=5", "data.batch_prompts=8", "rollout.max_inflight_groups=32", "pace.ema=0.0",
-         "eval.every=2", "eval.k=2", "eval.val_max_problems=5", "logger.mode=offline", "logger.progress=false"]
-SWEEPS = {
-    "main": ["+exp=sync_tiny,async_tiny,pace_tiny,pace_raw_tiny"],
-    "stalek": ["+exp=stalek_tiny", "pool.max_lag=1,8"],
-}
-
-
-@pytest.fixture(scope="module")
-def study(tiny_model_path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("study")
-    for name, args in SWEEPS.items():
-        cmd = [sys.executable, str(ROOT / "train.py"), "-m", *args, *SHORT, f"hydra.sweep.dir={root / name}"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
 
 
 def _numbers(out):

@@ -152,15 +152,12 @@ def test_resume_without_the_groups_in_flight_drops_them(tiny_model_path, tmp_pat
     assert list(resumed.prompt_id[: len(returned)]) == returned
 
 
-def test_sync_resume_equals_the_uninterrupted_run(tiny_model_path, tmp_path):
-    """Sync policy, fixed seed, rollout.deterministic: resuming from the step-3 checkpoint
-    reproduces the uninterrupted run's steps 3 to 5: same groups (ids, prompts, responses' lengths
-    and rewards), same losses, to the bit."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    args = ["+exp=sync_tiny", "trainer.steps=6", "trainer.save_every=3", "rollout.deterministic=true",
-            "logger.mode=disabled", *SMALL]
-    proc = run_train(args, a)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_sync_resume_equals_the_uninterrupted_run(sync_run, tmp_path):
+    """Sync policy, fixed seed, rollout.deterministic (the shared sync run, tests/conftest.py: 10
+    steps, a checkpoint every 3): resuming a copy of it from the step-3 checkpoint reproduces the
+    uninterrupted run's steps 3 to 9: same groups (ids, prompts, responses' lengths and rewards),
+    same losses, to the bit."""
+    a, b = sync_run, tmp_path / "b"
     shutil.copytree(a, b)
     proc = run_train([f"resume={b / 'checkpoints' / 'step-000003'}"], tmp_path / "resume-hydra")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -176,9 +173,10 @@ def test_sync_resume_equals_the_uninterrupted_run(tiny_model_path, tmp_path):
     assert [[m[k] for k in keys] for m in _metrics(b)] == [[m[k] for k in keys] for m in _metrics(a)]
 
 
-def _faulty(kind: str, at: int, args: list[str], run_dir, timeout: float = 600):
+def _faulty(faults: str, args: list[str], run_dir, timeout: float = 600):
+    """faulty_train.py with ``faults`` (PACE_FAULT: <kind>@<n>[,<kind>@<n>…])."""
     cmd = [sys.executable, str(FAULTY), *args, f"hydra.run.dir={run_dir}", "logger.progress=false"]
-    env = {**os.environ, "PACE_FAULT": f"{kind}@{at}", "HYDRA_FULL_ERROR": "1"}
+    env = {**os.environ, "PACE_FAULT": faults, "HYDRA_FULL_ERROR": "1"}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -199,7 +197,7 @@ def test_a_fault_stops_the_run_with_its_traceback_and_a_loadable_checkpoint(kind
     steps = 30 if kind in ("grader_dies", "watchdog") else 5
     args = ["+exp=async_tiny", f"trainer.steps={steps}", "logger.mode=disabled", *SMALL]
     t0 = time.time()
-    proc = _faulty(kind, 2, args, tmp_path)
+    proc = _faulty(f"{kind}@2", args, tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert message in proc.stderr and "Traceback (most recent call last)" in proc.stderr
     if kind in ("grader_dies", "watchdog"):  # the cause's own traceback comes with it, and it is quick
@@ -240,7 +238,7 @@ def test_a_run_whose_answers_all_fail_to_grade_stops_instead_of_filtering_foreve
     informative one forever. `reward.max_failed_in_row` answers in a row not graded stop the run."""
     args = ["+exp=async_tiny", "trainer.steps=3", "logger.mode=disabled", "reward.max_failed_in_row=64", *SMALL]
     t0 = time.time()
-    proc = _faulty("no_answers", 0, args, tmp_path, timeout=300)
+    proc = _faulty("no_answers@0", args, tmp_path, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert re.search(r"GraderError: grader failed: the last (6[4-9]|7[0-9]) answers could not be graded", proc.stderr)
     assert "reward.max_failed_in_row = 64" in proc.stderr and "check_answer returned None" in proc.stderr
@@ -251,20 +249,17 @@ def test_a_run_whose_answers_all_fail_to_grade_stops_instead_of_filtering_foreve
 
 
 def test_failed_answers_and_a_nan_loss_do_not_stop_the_run(tiny_model_path, tmp_path):
+    """Both faults in one run (each leaves the other's counts alone): the grading of every other
+    answer fails from the start (scored wrong, counted), and step 1's loss is NaN (update skipped)."""
     args = ["+exp=async_tiny", "trainer.steps=3", "logger.mode=disabled", *SMALL]
-    proc = _faulty("answers", 0, args, tmp_path / "answers")
+    proc = _faulty("answers@0,nan@1", args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _metrics(tmp_path / "answers")
+    rows = _metrics(tmp_path)
     assert rows[-1]["reward/errors"] > 0 and rows[-1]["reward/errors"] <= rows[-1]["reward/graded"] + 1
-    _check_accounting(tmp_path / "answers")
-
-    proc = _faulty("nan", 1, args, tmp_path / "nan")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _metrics(tmp_path / "nan")
     assert [m["train/nonfinite_skipped"] for m in rows] == [0, 1, 0]
     assert rows[1]["train/grad_norm"] != rows[1]["train/grad_norm"]  # NaN: the skipped update's norm
-    assert _summary(tmp_path / "nan")["train/nonfinite_skipped"] == 1
-    _check_accounting(tmp_path / "nan")
+    assert _summary(tmp_path)["train/nonfinite_skipped"] == 1
+    _check_accounting(tmp_path)
 
 
 def test_an_engine_left_with_stale_weights_stops_the_run_with_the_cause(tiny_model_path, tmp_path):
@@ -274,7 +269,7 @@ def test_an_engine_left_with_stale_weights_stops_the_run_with_the_cause(tiny_mod
     stops after `trainer.sync_mismatch_steps` steps above it in a row: a warning first, then one line
     naming the cause, after a checkpoint."""
     args = ["+exp=sync_tiny", "trainer.steps=12", "logger.mode=disabled", *SMALL]
-    proc = _faulty("stale_head", 1, args, tmp_path)
+    proc = _faulty("stale_head@1", args, tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: on-policy tokens' |ℓ^μ − log π_θ| = ") and "3 steps in a row" in last, last

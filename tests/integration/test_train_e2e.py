@@ -25,11 +25,10 @@ STEP_KEYS = [
 ]
 
 
-def test_async_run_logs_everything(tiny_model_path, tmp_path):
+def test_async_run_logs_everything(async_run):
+    """The shared async run (tests/conftest.py: 6 steps, B = 8, logged offline to wandb too)."""
     steps = 6
-    proc = run_train(["+exp=async_tiny", f"trainer.steps={steps}", "logger.mode=offline", *SMALL], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics, groups, summary = _read(tmp_path)
+    metrics, groups, summary = _read(async_run)
     assert [m["step"] for m in metrics] == list(range(steps))
     for key in STEP_KEYS:
         assert all(key in m for m in metrics), key
@@ -44,14 +43,13 @@ def test_async_run_logs_everything(tiny_model_path, tmp_path):
     # dynamic sampling on correctness: filtered groups are all right or all wrong, consumed ones mixed
     assert groups[groups.fate == "filtered"].acc_mean.isin([0.0, 1.0]).all()
     assert ((consumed.acc_mean > 0) & (consumed.acc_mean < 1)).all()
-    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run directory"
+    assert list((async_run / "wandb").glob("offline-run-*")), "no offline wandb run directory"
 
 
-def test_sync_run_is_on_policy(tiny_model_path, tmp_path):
+def test_sync_run_is_on_policy(sync_run):
+    """The shared sync run (tests/conftest.py: 10 steps, B = 8)."""
     steps = 10
-    proc = run_train(["+exp=sync_tiny", f"trainer.steps={steps}", "logger.mode=disabled", *SMALL], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics, groups, summary = _read(tmp_path)
+    metrics, groups, summary = _read(sync_run)
     _check_accounting(groups, summary)
     consumed = groups[groups.fate == "consumed"]
     assert len(consumed) == steps * 8
@@ -164,16 +162,12 @@ def test_bad_input_is_one_clear_line(args, needle, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_multirun_sweep_runs_each_job_in_its_own_directory(tiny_model_path, tmp_path):
-    import subprocess
-
-    cmd = [sys.executable, str(ROOT / "train.py"), "-m", "+exp=pace_tiny", "pace.gamma=1,4", "trainer.steps=2",
-           *SMALL, "logger.mode=disabled", "logger.progress=false", f"hydra.sweep.dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+def test_multirun_sweep_runs_each_job_in_its_own_directory(study):
+    """`train.py -m +exp=stalek_tiny pool.max_lag=1,8`: the Stale-k sweep of the shared study
+    (tests/conftest.py), whose sweep folder the run was given."""
+    jobs = sorted(p for p in (study / "stalek").iterdir() if p.is_dir())
     assert [p.name.split("_")[0] for p in jobs] == ["0", "1"]
-    assert ["pace.gamma=1" in jobs[0].name, "pace.gamma=4" in jobs[1].name] == [True, True]
+    assert ["pool.max_lag=1" in jobs[0].name, "pool.max_lag=8" in jobs[1].name] == [True, True]
     for job in jobs:
         _, groups, summary = _read(job)
         assert summary["status"] == "finished"
