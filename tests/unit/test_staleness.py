@@ -220,6 +220,7 @@ def test_token_newer_than_completion_raises() -> None:
         g.k_gen()
 
 
+@settings(deadline=None)  # like the others here: a timing deadline fails it on a busy machine, not on a bug
 @given(
     st.lists(st.tuples(st.lists(st.integers(0, 20), min_size=1, max_size=8), st.integers(0, 5)), min_size=1, max_size=6),
     st.integers(0, 10),
