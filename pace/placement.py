@@ -50,11 +50,10 @@ class Placement:
         on other hosts get none (each server takes its own share: pace/rollout/server.py)."""
         mode = engine_mode(rollout_cfg, device, world)
         gpus = None
-        if device == "cuda" and mode == "server" and not rollout_cfg.servers:
-            local = local_trainers if local_trainers is not None else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            gpus = tuple(tuple(g) for g in engine_gpus(rollout_cfg, local))
-        elif device == "cuda" and mode != "server" and rollout_cfg.placement == "separate":
-            local = local_trainers if local_trainers is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        own = not rollout_cfg.servers if mode == "server" else rollout_cfg.placement == "separate"
+        if device == "cuda" and own:
+            fallback = 1 if mode == "server" else world
+            local = local_trainers if local_trainers is not None else int(os.environ.get("LOCAL_WORLD_SIZE", fallback))
             gpus = tuple(tuple(g) for g in engine_gpus(rollout_cfg, local))
         return cls(device=device, world=world, mode=mode, backend=backend_kind(rollout_cfg, device), gpus=gpus)
 
