@@ -160,7 +160,8 @@ def run(cfg: DictConfig) -> None:
     from pace.weights.sync import WeightSync
 
     control.barrier()  # rank 0 built the engines meanwhile: the others wait here, not in a collective below
-    sync = WeightSync(cfg, trainer, rollout, placement, barrier=control.barrier)  # every rank: the trainer side of vLLM weight transfer
+    sync = WeightSync(cfg, trainer, rollout, placement, barrier=control.barrier,  # every rank: the trainer side of vLLM weight transfer
+                      decide=control.decide)
     checkpointer = ckpt.Checkpointer(run_dir, accelerator, trainer, config, cfg.trainer.keep_checkpoints, model_path,
                                      weights=sync.weights,  # a checkpoint keeps θ_version as a model directory
                                      barrier=control.barrier,  # rank 0 writes the pool and θ's model directory meanwhile
@@ -213,6 +214,7 @@ def run(cfg: DictConfig) -> None:
             due = trainer.version % cfg.rollout.sync_every == 0 or trainer.version == cfg.trainer.steps
             if due:
                 sync.prepare(trainer.version)  # every rank (all-gathers under FSDP); shm: θ into its slot
+                metrics.update(sync.metrics())  # rollout.weight_delta: sync/full, sync/bytes, sync/changed_frac
             metrics["time/sync"] = time.perf_counter() - t_sync
 
             if main_rank:

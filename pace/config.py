@@ -76,6 +76,9 @@ class RolloutConfig:
     # are dropped, their prompts returned to the sampler (docs/checkpoints.md "Checkpoints, resume and failures").
     resume_inflight: bool = True
     sync_every: int = 1  # weight sync every N training steps
+    weight_delta: bool = False  # after a full sync, send only the elements whose engine-dtype value changed (docs/weight-sync.md)
+    full_sync_every: int = 100  # with weight_delta: a full sync every N versions (0: only at start, resume and engine join)
+    delta_max_frac: Optional[float] = None  # with weight_delta: a full sync when more than this fraction changed (null: where the bytes break even)
     max_model_len: int = 256
     max_num_seqs: int = 1024  # sequences the engine runs at once (vLLM max_num_seqs)
     tensor_parallel_size: int = 1

@@ -154,6 +154,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"rollout.servers: {bad[0]!r} is not a URL (http://host:port)")
     if cfg.rollout.engine_process == "server" and cfg.rollout.weight_transfer == "ipc":
         raise ConfigError("rollout.weight_transfer=ipc shares one GPU in one host's processes: not with rollout.engine_process=server")
+    if cfg.rollout.full_sync_every < 0:
+        raise ConfigError(f"rollout.full_sync_every must be >= 0 (0: only when the engines' weights are unknown), "
+                          f"got {cfg.rollout.full_sync_every}")
+    if cfg.rollout.delta_max_frac is not None and not 0 < cfg.rollout.delta_max_frac <= 1:
+        raise ConfigError(f"rollout.delta_max_frac must be in (0, 1] or null, got {cfg.rollout.delta_max_frac}")
     if cfg.rollout.engine_timeout_s <= 0:
         raise ConfigError(f"rollout.engine_timeout_s must be > 0, got {cfg.rollout.engine_timeout_s}")
 
@@ -204,6 +209,9 @@ def _check_schema(cfg: DictConfig) -> None:
 def check_processes(cfg: DictConfig, placement: Placement) -> None:
     """What depends on the number of trainer processes and where the engines run (`placement`)."""
     check_shares(cfg, placement.world)
+    if cfg.rollout.weight_delta and placement.transfer not in ("gloo", "nccl"):
+        raise ConfigError(f"rollout.weight_delta sends patches over a broadcast: rollout.weight_transfer=gloo or nccl "
+                          f"(here {placement.transfer}: shm and ipc move θ through this host's memory, nothing to save)")
     if cfg.rollout.deterministic and placement.mode != "inproc":
         raise ConfigError(f"rollout.deterministic needs the in-process engine, which runs with one trainer process on CPU "
                           f"(here: {placement.world} processes on {placement.device})")

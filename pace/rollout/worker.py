@@ -93,7 +93,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._pending = {}
         self._grading: deque = deque()
         self._next_group_id = 0
-        self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
+        self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "pause_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
                       "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0,
                       "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0,
@@ -215,6 +215,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             "time/rescore": s["rescore_s"] - last["rescore_s"],  # overlaps generation and training
             "rollout/engine_version": self.engine_version,
             "rollout/sync_apply_s": s["sync_s"],
+            # the engines paused for weight updates in the interval (paused, loaded, resumed)
+            "sync/pause_s": s["pause_s"] - last["pause_s"],
             "rollout/rescored_groups": s["rescored"],
             # scoring sequences sent to the engine in the interval, and prefixes needing none
             # (generated entirely by the loaded weights: distance 0)
@@ -327,7 +329,9 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             return False
         with update.lock:  # the trainer does not rewrite this slot meanwhile
             self._cancel_rescoring()
-            self.stats["sync_s"] += self.fleet.update(update.version, update.info)
+            seconds = self.fleet.update(update.version, update.info)
+            self.stats["sync_s"] += seconds
+            self.stats["pause_s"] += seconds
             self._updated(update.version, weights=lambda: transfer.read_slot(update.info))
         return True
 
@@ -335,10 +339,14 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
     def begin_update(self) -> None:
         """Before new weights load (this thread): pending scores are dropped, the engines paused."""
         self._cancel_rescoring()
+        self._paused_at = time.perf_counter()
         self.fleet.begin_update()
 
     def end_update(self, version: int) -> None:
-        self.fleet.end_update(version)
+        try:
+            self.fleet.end_update(version)
+        finally:
+            self.stats["pause_s"] += time.perf_counter() - self._paused_at
         self._updated(version, weights=None)
 
     def _updated(self, version: int, weights) -> None:

@@ -9,6 +9,16 @@ vLLM's NCCL engines (`vllm/distributed/weight_transfer/nccl_engine.py`): a worke
 gives each engine its offset (pace/rollout/fleet.py) and calls the engines at once, and the
 trainer broadcasts while the engines are inside `update_weights`. So the multi-engine rendezvous
 and update that GPU runs take through NCCL run here on CPU, where the tests can see them.
+
+Delta updates (`rollout.weight_delta`, pace/weights/delta.py): an update may carry sparse patches
+(per tensor its changed flat indices, int32, and their values: vLLM's `SparseWeightPatch` on the
+wire as `sparse_nccl_engine.py` broadcasts it). vLLM applies such patches in place
+(`load_checkpoint_weight_patches`), which a CPU engine cannot take: its linear layers' weights are
+packed into oneDNN/SGL kernels and removed after loading (`dispatch_cpu_unquantized_gemm(...,
+remove_weight=True)`). So a worker here keeps a copy of the last tensors it received (`mirror`, in
+checkpoint coordinates and the engine dtype), applies each patch to it and reloads every tensor
+from it through the same checked layerwise reload as a full update: the wire carries the delta, the
+engine is rebuilt exactly (tied head refreshed, coverage audited, every tensor fingerprinted).
 """
 from __future__ import annotations
 
@@ -67,6 +77,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int
     world_size: int
+    delta: bool = False  # keep a mirror of the received tensors: updates may be patches
 
 
 @dataclass
@@ -74,6 +85,13 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    num_updates_list: list[int] | None = None  # patches: changed elements per tensor (None: whole tensors)
+    version: int | None = None  # the trainer step of these weights (the mirror's, with `delta`)
+    base: int | None = None  # patches: the version they apply to (the mirror must hold it)
+
+
+class DeltaMismatch(RuntimeError):
+    """A patch update for weights the engine worker does not hold."""
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -85,6 +103,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
         self.group, self._store = _group(init_info.master_address, init_info.master_port, rank,
                                          init_info.world_size, is_master=False)
+        # a (re)joined worker: the trainer sends it whole tensors first
+        self.mirror: dict[str, torch.Tensor] | None = {} if init_info.delta else None
+        self.mirror_version: int | None = None
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -100,10 +121,43 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():  # as vLLM's NCCL engine: a draft head may come separately
+            if info.num_updates_list is not None:
+                self._receive_patches(info)
+                return
+            mirror = getattr(self, "mirror", None)
+            if mirror is not None:
+                self.mirror_version = None  # until every tensor is in
             for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
                 weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
                 _broadcast(self.group, weight)
+                if mirror is not None:
+                    mirror[name] = weight
                 self.model.load_weights([(name, weight.to(self.device))])
+            if mirror is not None:
+                self.mirror_version = info.version
+
+    def _receive_patches(self, info: GlooUpdateInfo) -> None:
+        """Apply the patches of one update to the mirror, then load every tensor from it (the CPU
+        engine's packed kernels are rebuilt by the layerwise reload, as after a full update)."""
+        mirror, held = getattr(self, "mirror", None), getattr(self, "mirror_version", None)
+        patches = []  # received in full first: every worker takes part in every broadcast
+        for name, dtype_name, n in zip(info.names, info.dtype_names, info.num_updates_list):
+            indices = torch.empty(n, dtype=torch.int32)
+            values = torch.empty(n, dtype=getattr(torch, dtype_name))
+            _broadcast(self.group, indices)
+            _broadcast(self.group, values)
+            patches.append((name, indices, values))
+        if mirror is None or held is None or held != info.base:
+            raise DeltaMismatch(f"weight patches for θ_{info.base} → θ_{info.version}, but this engine worker holds "
+                                f"{'no full update' if held is None else f'θ_{held}'}: the trainer must send whole tensors")
+        self.mirror_version = None  # until the patches are in
+        for name, indices, values in patches:
+            target = mirror.get(name)
+            if target is None:
+                raise DeltaMismatch(f"weight patch for {name!r}, which no full update sent")
+            target.view(-1).index_copy_(0, indices.long(), values.to(target.dtype))
+        self.model.load_weights([(name, t.to(self.device)) for name, t in mirror.items()])
+        self.mirror_version = info.version
 
     def shutdown(self) -> None:
         self.group = self._store = None
@@ -118,6 +172,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_address: str = "127.0.0.1"
     master_port: int = 0
     world_size: int = 1  # trainer rank 0 + every engine worker
+    delta: bool = False  # the workers keep a mirror: updates may be patches
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -138,7 +193,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not engine.is_sender:
             return engine
         worker = GlooInitInfo(master_address=init_info.master_address, master_port=init_info.master_port,
-                              rank_offset=1, world_size=init_info.world_size)
+                              rank_offset=1, world_size=init_info.world_size, delta=init_info.delta)
         # the workers wait inside init_weight_transfer_engine for the rendezvous rank 0 opens here
         with ThreadPoolExecutor(max_workers=1) as exe:
             future = exe.submit(client.init_weight_transfer_engine, asdict(worker))
@@ -148,6 +203,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return engine
 
     def send_weights(self) -> None:
+        """Every tensor of the source (every rank iterates it); the client names their version."""
         meta = self.source.metadata()
         if not self.is_sender:
             for _ in self.source:
@@ -155,14 +211,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return
         info = GlooUpdateInfo(names=[m.name for m in meta], dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
                               shapes=[list(m.shape) for m in meta])
-        self.client.start_weight_update()
-        # the engines receive inside update_weights while rank 0 broadcasts; a daemon thread, so that
-        # an engine stuck in a failed broadcast does not hold this process's exit
-        future: Future = Future()
-        threading.Thread(target=_run_into, args=(future, self.client.update_weights, asdict(info)),
-                         name="pace-gloo-update", daemon=True).start()
-        if future.done():  # refused before any broadcast: say so, rather than wait for peers
-            future.result()
+        future = self._start(info)
         sent = 0
         for name, tensor in self.source:  # the workers expect exactly `meta`, in order
             m = meta[sent] if sent < len(meta) else None
@@ -175,6 +224,32 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             raise ValueError(f"gloo weight transfer: the source yielded {sent} of the {len(meta)} parameters sent")
         future.result()
         self.client.finish_weight_update()
+
+    def send_patches(self, patches: list, version: int, base: int) -> None:
+        """Rank 0: the changed elements of θ_version against θ_base (pace/weights/delta.py's
+        `Patch`es: name, int32 flat indices, values, full shape), as vLLM's sparse_nccl engine
+        broadcasts them (indices, then values, per tensor)."""
+        info = GlooUpdateInfo(names=[p.name for p in patches],
+                              dtype_names=[str(p.values.dtype).split(".")[-1] for p in patches],
+                              shapes=[list(p.full_shape) for p in patches],
+                              num_updates_list=[int(p.indices.numel()) for p in patches], version=version, base=base)
+        future = self._start(info)
+        for p in patches:
+            _broadcast(self.group, p.indices.detach().to("cpu", torch.int32).contiguous())
+            _broadcast(self.group, p.values.detach().to("cpu").contiguous())
+        future.result()
+        self.client.finish_weight_update()
+
+    def _start(self, info: GlooUpdateInfo) -> Future:
+        """Start the update: the engines receive inside update_weights while rank 0 broadcasts; a
+        daemon thread, so that an engine stuck in a failed broadcast does not hold this process's exit."""
+        self.client.start_weight_update()
+        future: Future = Future()
+        threading.Thread(target=_run_into, args=(future, self.client.update_weights, asdict(info)),
+                         name="pace-gloo-update", daemon=True).start()
+        if future.done():  # refused before any broadcast: say so, rather than wait for peers
+            future.result()
+        return future
 
     def shutdown(self) -> None:
         self.group = self._store = None

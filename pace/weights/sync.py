@@ -20,6 +20,10 @@ carrying its version.
   in `update_weights`; the trainer waits for the broadcast (and for a validation in progress).
 - ``ipc`` (one GPU shared by trainer and engine, vLLM's `IPCTrainerWeightTransferEngine`, not yet
   run): the engine opens CUDA IPC handles of the trainer's tensors; the trainer waits likewise.
+
+With `rollout.weight_delta` (gloo, nccl): `prepare` plans the sync (pace/weights/delta.py: every
+rank diffs the cast of its shard against the version the engines hold, rank 0 gathers the changed
+elements, the engines still serving), and `publish` sends either every tensor or only the patches.
 """
 from __future__ import annotations
 
@@ -37,12 +41,13 @@ from pace.weights.update import WeightUpdate
 
 
 class WeightSync:
-    def __init__(self, cfg, trainer, rollout, placement: Placement, barrier=lambda: None):
+    def __init__(self, cfg, trainer, rollout, placement: Placement, barrier=lambda: None, decide=lambda flag: flag):
         self.barrier = barrier  # the trainer ranks' wait on rank 0 (pace/control.py): hours, not NCCL's watchdog
+        self.decide = decide  # rank 0's flag on every rank (pace/control.py): a delta sent whole after a regroup
         self.backend = placement.transfer  # the name vLLM's factories register it under (shm: pace_shm)
         self.acc = trainer.acc
         sent = None if rollout is None else rollout.sent_weights  # rank 0, `trainer.sync_fingerprint`: pace/weights/fingerprint.py
-        on_sent = None if sent is None else lambda prints: sent.expect(self._sending, prints)
+        on_sent = None if sent is None else lambda prints: self._sent_prints(sent, prints)
         source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype), on_sent)
         # a checkpoint's copy of θ (`weights`) walks the same tensors without fingerprints: only what
         # is sent is θ_version's as the engines get it, and a copy may come between syncs
@@ -50,6 +55,14 @@ class WeightSync:
         rank = self.acc.process_index
         self._client: BlockingClient | None = None  # nccl/gloo, rank 0: one for the run (a regroup keeps its state)
         self.cfg, self.rollout, self.source = cfg, rollout, source
+        self.delta = None  # rollout.weight_delta: the cast θ the engines hold, and each sync's plan
+        if cfg.rollout.weight_delta:
+            from pace.weights.delta import DeltaTracker
+
+            self.delta = DeltaTracker(trainer.model, getattr(torch, cfg.model.dtype), cfg.rollout.full_sync_every,
+                                      cfg.rollout.delta_max_frac, fingerprints=cfg.trainer.sync_fingerprint)
+        self.plan = None  # the last sync's plan (delta.Plan; rollout.weight_delta), logged as sync/*
+        self._full_prints: dict | None = None  # rank 0: the fingerprints of the last full pass sent
         if self.backend == transfer.BACKEND:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
             self.sender = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
@@ -69,21 +82,27 @@ class WeightSync:
     def _connect(self, rank: int):
         """The trainer side of the nccl/gloo group of trainer rank 0 and every engine worker (the
         rendezvous at rank 0's `transfer_address`); rank 0 has the engines join it."""
-        if self.backend == "nccl":
+        extra = {}
+        if self.backend == "nccl":  # the checked engines take whole tensors and patches (pace/weights/nccl_delta.py)
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo as Info
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine as Engine
+
+            from pace.weights.nccl_delta import DeltaNCCLTrainerWeightTransferEngine as Engine
         else:
             from pace.weights.gloo import GlooTrainerInitInfo as Info
             from pace.weights.gloo import GlooTrainerWeightTransferEngine as Engine
+
+            extra["delta"] = bool(self.cfg.rollout.weight_delta)  # the workers keep a mirror for patches
         fleet = None if self.rollout is None else self.rollout.fleet
         if fleet is not None:  # rank 0: the ranks of the engines in service
             workers = fleet.transfer_workers()
         else:
             workers = self.cfg.rollout.engines * self.cfg.rollout.tensor_parallel_size
         info = Info(rank=rank, master_address=transfer_address(self.cfg.rollout), master_port=free_port() if rank == 0 else 0,
-                    world_size=1 + workers)
+                    world_size=1 + workers, **extra)
+        if self.delta is not None:
+            self.delta.reset()  # a (re)formed group: the engines in it get whole tensors next
         if self.rollout is not None and self._client is None:
-            self._client = BlockingClient(self.rollout)  # one for the run: a regroup keeps its state
+            self._client = BlockingClient(self.rollout, label=True)  # one for the run: a regroup keeps its state
         return Engine.trainer_init(info, client=None if self.rollout is None else self._client, source=self.source)
 
     def prepare(self, version: int) -> None:
@@ -92,6 +111,8 @@ class WeightSync:
         self._sending = version  # what the source's passes send from here on (its fingerprints' version)
         self._update = self.sender.write(version) if self.backend == transfer.BACKEND else None
         self._version = version
+        # delta: planned while the engines serve (every rank; the changed elements gathered to rank 0)
+        self.plan = self.delta.plan(version) if self.delta is not None else None
         if self._update is not None:
             self._written = self._update
 
@@ -130,9 +151,21 @@ class WeightSync:
             self.barrier()
             fleet = None if self.rollout is None else self.rollout.fleet
             known = set() if fleet is None else set(fleet.alive)
+            plan = self.plan
+            if plan is not None and not plan.full and self.decide(self.delta.version is None):
+                plan = self.plan = self.delta.whole(plan)  # rank 0 formed the group again: its engines get θ whole
             try:
-                self.sender.send_weights()
+                if plan is not None and not plan.full:
+                    if self.sender.is_sender:  # the other ranks gave their changes when it was planned
+                        self._expect_delta(plan)
+                        self.sender.send_patches(plan.patches, version, self.delta.version)
+                else:
+                    self.sender.send_weights()  # every rank: each tensor is a collective under FSDP
+                if plan is not None:
+                    self.delta.sent(plan, self._full_prints)
             except Exception as exc:
+                if self.delta is not None:
+                    self.delta.reset()  # what the engines hold is unknown: whole tensors next
                 failed = None if fleet is None else fleet.wait_failed(known)
                 if failed is None:
                     raise
@@ -143,11 +176,35 @@ class WeightSync:
                                    f"({type(exc).__name__}): the run stops; resume= goes on with the engines alive") from exc
         self._update = None
 
+    def _sent_prints(self, sent, prints: dict) -> None:
+        """Rank 0, a full pass: the engines are judged against these; a delta plan starts from them."""
+        self._full_prints = prints
+        sent.expect(self._sending, prints)
+
+    def _expect_delta(self, plan) -> None:
+        """Rank 0: a delta's fingerprints (from the change: pace/weights/delta.py) are expected where
+        the engines fingerprint what they load (gloo: each tensor reloaded whole from the worker's
+        mirror); nccl applies patches in place, unfingerprinted (pace/weights/nccl_delta.py)."""
+        sent = None if self.rollout is None else self.rollout.sent_weights
+        if sent is not None and plan.prints is not None and self.backend == "gloo":
+            sent.expect(plan.version, plan.prints)
+
     def _regroup(self) -> None:
         """Server mode, rank 0: after a server failed, the group is formed again by the live ones."""
         if self.rollout is not None and self.rollout.fleet.needs_regroup:
             self.sender.shutdown()
             self.sender = self._connect(0)
+
+    def metrics(self) -> dict:
+        """The last sync's `sync/*` (rollout.weight_delta): whether it sent θ whole, its bytes to each
+        engine worker, and the fraction of elements whose engine-dtype value changed."""
+        plan = self.plan
+        if plan is None:
+            return {}
+        out = {"sync/full": int(plan.full), "sync/bytes": plan.bytes}
+        if plan.reason != "first":  # measured against the engines' version
+            out["sync/changed_frac"] = plan.changed_frac
+        return out
 
     def close(self) -> None:
         self.sender.shutdown()
@@ -161,8 +218,9 @@ class BlockingClient:
 
     POLL_S = 1.0  # how often a waiting call checks that the rollout thread is still there
 
-    def __init__(self, rollout):
+    def __init__(self, rollout, label: bool = False):
         self.rollout = rollout
+        self.label = label  # nccl/gloo: the update info names its version (the workers' check of patch bases)
         self.update: WeightUpdate | None = None  # the update in progress: from `start` to finish_weight_update
 
     def _run(self, fn):
@@ -195,6 +253,8 @@ class BlockingClient:
                                "the engines with")
 
     def update_weights(self, update_info) -> None:
+        if self.label and self.update is not None and update_info.get("version") is None:
+            update_info = {**update_info, "version": self.update.version}
         self._run(lambda: self.rollout.fleet.load(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:

@@ -325,19 +325,20 @@ def register() -> None:
     import logging
 
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
     from pace.weights import gloo
+    from pace.weights.nccl_delta import CheckedDeltaNCCLWeightTransferEngine
     from pace.weights.reload import LAYERWISE_LOGGER, checked, decided_here
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, CheckedShmWeightTransferEngine)
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, ShmTrainerWeightTransferEngine)
-    for name, engine in (("pace_nccl", NCCLWeightTransferEngine), ("pace_ipc", IPCWeightTransferEngine),
-                         (gloo.BACKEND, gloo.GlooWeightTransferEngine)):
+    # the nccl engines also take patches in place (rollout.weight_delta: pace/weights/nccl_delta.py)
+    for name, engine in (("pace_nccl", CheckedDeltaNCCLWeightTransferEngine), ("pace_ipc", checked(IPCWeightTransferEngine)),
+                         (gloo.BACKEND, checked(gloo.GlooWeightTransferEngine))):
         if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, checked(engine))
+            WeightTransferEngineFactory.register_engine(name, engine)
     if gloo.BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(gloo.BACKEND, gloo.GlooTrainerWeightTransferEngine)
     layerwise = logging.getLogger(LAYERWISE_LOGGER)

@@ -1,0 +1,283 @@
+"""Delta weight sync, the trainer's side: which elements of θ_v the engines do not hold yet.
+
+    tracker = DeltaTracker(model, dtype, full_every, max_frac)   # every trainer rank
+    plan = tracker.plan(version)     # every rank (a collective under FSDP): full, or rank 0's patches
+    ... the plan is sent (pace/weights/gloo.py, nccl_delta.py) ...
+    tracker.sent(plan)               # every rank: the engines hold θ_version from here on
+
+After a full sync the engines hold the trainer's cast θ_v exactly (pace/weights/reload.py). The next
+version differs from it in few elements at RL learning rates (a step of AdamW at lr 1e-6 moves each
+fp32 master, but most bf16 casts keep their bits), so a sync can send only the elements whose
+*engine-dtype* value changed, as sparse patches in checkpoint coordinates (name, flat indices,
+values, full shape: vLLM 0.32's `SparseWeightPatch`). The comparison is of the casts' bits, not of
+the fp32 masters (every master moves; a cast that keeps its bits need not be sent) and not of their
+values (−0.0 == +0.0, NaN != NaN): the engine must end bit-equal to the trainer's cast.
+
+Each rank diffs its own shard (an FSDP2 `DTensor` sharded on dim 0, or a whole tensor): it keeps
+the cast of its shard as of the version the engines hold (one engine-dtype copy of its shard),
+finds the changed elements there, and only those (flat indices in the whole tensor, values) are
+gathered to rank 0 — no parameter is all-gathered. The fingerprint of each whole tensor
+(pace/weights/fingerprint.py) is a position-weighted sum of its bits, so its change is the sum
+over the changed elements of (new bits − old bits) · weight: every rank adds its own, rank 0 gets
+the total, and the exact weight check compares the engines against θ_v without a full pass.
+
+A plan is a full sync when the engines hold nothing the tracker knows of (the first sync, a
+resume, an engine that joined: `reset()`), every `full_every` versions, or when more than
+`max_frac` of the elements changed (None: where the bytes break even — a patch element costs an
+int32 index and its value, a dense one its value: 1/3 in bf16, 1/2 in fp32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pace.weights import source
+
+INDEX_BYTES = 4  # int32 flat indices (vLLM's sparse patches): whole tensors under 2^31 elements
+
+
+@dataclass
+class Patch:
+    """The changed elements of one whole tensor, in its checkpoint coordinates."""
+
+    name: str
+    indices: torch.Tensor  # int32, flat positions in the whole tensor, ascending
+    values: torch.Tensor  # 1-D, the engine dtype
+    full_shape: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    """One sync: full (send every tensor) or the patches (rank 0's; empty elsewhere)."""
+
+    version: int
+    full: bool
+    reason: str  # why full ("first", "every", "changed", "reset"), or "delta"
+    changed: int = 0  # elements whose cast changed since the engines' version (every rank's total)
+    total: int = 0  # elements of θ
+    patches: list[Patch] = field(default_factory=list)
+    prints: dict[str, int] | None = None  # rank 0: θ_version's fingerprints (a delta's, from the change)
+    value_bytes: int = 4
+
+    @property
+    def changed_frac(self) -> float:
+        return self.changed / self.total if self.total else 0.0
+
+    @property
+    def bytes(self) -> int:
+        """Bytes on the wire to each engine worker: every tensor (full), or indices and values."""
+        if self.full:
+            return self.total * self.value_bytes
+        return self.changed * (INDEX_BYTES + self.value_bytes)
+
+
+def break_even(dtype: torch.dtype) -> float:
+    """The changed fraction above which a full sync sends fewer bytes than patches."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return size / (size + INDEX_BYTES)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width (compared bit for bit)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat positions (int64, ascending) where ``new``'s bits differ from ``old``'s."""
+    return torch.nonzero(bits(old.reshape(-1)) != bits(new.reshape(-1))).reshape(-1)
+
+
+def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``p``'s local part and the flat position in the whole tensor where it starts: a `DTensor`
+    sharded on dim 0 (FSDP2) or replicated; a plain tensor is whole (offset 0)."""
+    if not hasattr(p, "to_local"):
+        return p, 0
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(p.placements)
+    if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in placements):
+        raise NotImplementedError(f"delta weight sync: a parameter sharded as {placements} (only dim 0, FSDP2's)")
+    local = p.to_local()
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    row = 1
+    for d in p.shape[1:]:
+        row *= d
+    return local, (offset[0] if offset else 0) * row
+
+
+class DeltaTracker:
+    """The cast θ the engines hold, as every rank's shards, and the plan of each next sync."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, full_every: int = 0,
+                 max_frac: float | None = None, fingerprints: bool = True, group=None):
+        self.model, self.dtype = model, dtype
+        self.fingerprints = fingerprints  # the same on every rank: each adds its change to rank 0's
+        self.full_every = full_every
+        self.max_frac = break_even(dtype) if max_frac is None else max_frac
+        self.group = group  # the trainer ranks' process group (None: the default one, if initialised)
+        self._held: dict[str, torch.Tensor] | None = None  # name → cast local shard of the engines' version
+        self._version: int | None = None  # the version the engines hold (None: unknown → full)
+        self._last_full: int | None = None
+        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None  # a plan's casts until it is sent
+        self.prints: dict[str, int] | None = None  # rank 0: the engines' version's fingerprints
+
+    @property
+    def held_bytes(self) -> int:
+        """This rank's memory for the engines' cast (one engine-dtype copy of its shards)."""
+        return sum(t.numel() * t.element_size() for t in (self._held or {}).values())
+
+    @property
+    def version(self) -> int | None:
+        """The version the engines hold (None: unknown, the next sync is whole)."""
+        return self._version
+
+    def reset(self) -> None:
+        """The engines' weights are unknown (an engine joined, an update failed): next sync full.
+        A plan made already stays valid as θ of its version (`whole`)."""
+        self._held, self._version, self.prints = None, None, None
+
+    def whole(self, plan: Plan) -> Plan:
+        """``plan`` sent as every tensor (the engines' version became unknown after it was made)."""
+        return Plan(plan.version, True, "reset", changed=plan.total, total=plan.total, value_bytes=plan.value_bytes)
+
+    def _casts(self) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
+        with torch.no_grad():
+            out = {}
+            for name, p in source.named_parameters(self.model):
+                local, offset = local_shard(p.detach())
+                # a copy even where the parameter already has the engine dtype (it changes in place)
+                out[name] = (local.to(self.dtype, copy=True).reshape(-1), offset, tuple(p.shape))
+            return out
+
+    def plan(self, version: int) -> Plan:
+        """Every rank: what the sync of θ_version sends. A delta gathers the changed elements to
+        rank 0 (a collective), where the plan holds them as patches with θ_version's fingerprints."""
+        casts = self._casts()
+        total = sum(_numel(shape) for _, _, shape in casts.values())
+        size = torch.empty((), dtype=self.dtype).element_size()
+        reason = None
+        if self._held is None or self._version is None:
+            reason = "first" if self._last_full is None else "reset"
+        elif self.full_every and self._last_full is not None and version - self._last_full >= self.full_every:
+            reason = "every"
+        if reason is not None:
+            self._pending = (version, {n: c for n, (c, _, _) in casts.items()})
+            return Plan(version, True, reason, changed=total, total=total, value_bytes=size)
+        local = []  # per tensor: (global positions, values, fingerprint change)
+        for name, (cast, offset, _) in casts.items():
+            old = self._held[name]
+            pos = changed_positions(old, cast)
+            change = _print_change(old[pos], cast[pos], pos + offset) if self.fingerprints else torch.zeros((), dtype=torch.int64)
+            local.append((pos + offset, cast[pos], change))
+        counts = torch.tensor([len(p) for p, _, _ in local], dtype=torch.int64)
+        changed = int(_all_sum(counts.clone(), self.group).sum())
+        self._pending = (version, {n: c for n, (c, _, _) in casts.items()})
+        if changed > self.max_frac * total:
+            return Plan(version, True, "changed", changed=changed, total=total, value_bytes=size)
+        prints_change = _all_sum(torch.stack([d for _, _, d in local]) if local else torch.zeros(0, dtype=torch.int64),
+                                 self.group)
+        gathered = _gather(local, self.group)
+        plan = Plan(version, False, "delta", changed=changed, total=total, value_bytes=size)
+        if gathered is not None:  # rank 0
+            for (name, (_, _, shape)), (pos, vals) in zip(casts.items(), gathered):
+                if len(pos):
+                    order = torch.argsort(pos)
+                    plan.patches.append(Patch(name, pos[order].to(torch.int32), vals[order], shape))
+            if self.fingerprints and self.prints is not None:
+                plan.prints = {n: self.prints[n] + int(d) for n, d in zip(casts, prints_change.tolist())}
+        return plan
+
+    def sent(self, plan: Plan, prints: dict[str, int] | None = None) -> None:
+        """Every rank, once the engines hold θ_plan.version: its casts become the baseline.
+        ``prints``: rank 0's fingerprints of a full sync's tensors (the delta's are in the plan)."""
+        if self._pending is None or self._pending[0] != plan.version:
+            raise RuntimeError(f"delta weight sync: sent({plan.version}) without its plan")
+        self._held, self._version = self._pending[1], plan.version
+        self._pending = None
+        if plan.full:
+            self._last_full = plan.version
+        self.prints = prints if plan.full else plan.prints
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _print_change(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The change of a tensor's fingerprint (a 0-d int64 tensor, not read) when the elements at flat
+    ``positions`` go from ``old`` to ``new`` (pace/weights/fingerprint.py: bits as int16, weighted by
+    position)."""
+    from pace.weights.fingerprint import A, P
+
+    def raw(t):
+        r = t.contiguous().reshape(-1)
+        return (r.view(torch.int16) if r.element_size() % 2 == 0 else r.view(torch.uint8)).to(torch.int64)
+
+    per = max(1, old.element_size() // 2)  # int16 words per element (uint8 for one-byte dtypes: 1)
+    words = (positions.to(torch.int64).unsqueeze(1) * per + torch.arange(per, device=positions.device)).reshape(-1)
+    weights = words * A % P + 1
+    return ((raw(new) - raw(old)) * weights).sum(dtype=torch.int64)
+
+
+def _distributed(group) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _all_sum(t: torch.Tensor, group) -> torch.Tensor:
+    if not _distributed(group):
+        return t
+    import torch.distributed as dist
+
+    device = _collective_device(group)
+    out = t.to(device)
+    dist.all_reduce(out, group=group)
+    return out.cpu()
+
+
+def _collective_device(group) -> torch.device:
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
+
+
+def _gather(local: list, group) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Every rank's (positions, values) per tensor, concatenated by tensor on rank 0 (None elsewhere).
+    One gather of the positions and one of the values (padded to the longest rank's)."""
+    if not _distributed(group):
+        return [(p, v) for p, v, _ in local]
+    import torch.distributed as dist
+
+    device = _collective_device(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    counts = torch.tensor([len(p) for p, _, _ in local], dtype=torch.int64, device=device)
+    all_counts = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(all_counts, counts, group=group)
+    width = max(int(c.sum()) for c in all_counts)
+    dtype = local[0][1].dtype if local else torch.float32
+    pos = torch.zeros(width, dtype=torch.int64, device=device)
+    vals = torch.zeros(width, dtype=dtype, device=device)
+    n = int(counts.sum())
+    if n:
+        pos[:n] = torch.cat([p for p, _, _ in local]).to(device)
+        vals[:n] = torch.cat([v for _, v, _ in local]).to(device)
+    pos_list = [torch.empty_like(pos) for _ in range(world)] if rank == 0 else None
+    val_list = [torch.empty_like(vals) for _ in range(world)] if rank == 0 else None
+    dist.gather(pos, pos_list, dst=0, group=group)
+    dist.gather(vals, val_list, dst=0, group=group)
+    if rank != 0:
+        return None
+    out = [([], []) for _ in local]
+    for r in range(world):
+        sizes = all_counts[r].tolist()
+        for i, (p, v) in enumerate(zip(pos_list[r][: sum(sizes)].split(sizes), val_list[r][: sum(sizes)].split(sizes))):
+            out[i][0].append(p)
+            out[i][1].append(v)
+    return [(torch.cat(p), torch.cat(v)) for p, v in out]

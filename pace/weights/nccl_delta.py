@@ -1,0 +1,153 @@
+"""Delta updates over NCCL (GPU; written against vLLM 0.32's sources, not yet run on a GPU).
+
+The engines' side is the checked NCCL engine (`pace_nccl`) taught vLLM's sparse protocol
+(`vllm/distributed/weight_transfer/sparse_nccl_engine.py`): an update whose info carries
+`num_updates_list` is a list of patches — per tensor its changed flat indices (int32) and values,
+broadcast from trainer rank 0 in that order — applied *in place* through the model's own loader by
+`load_checkpoint_weight_patches` (`vllm/model_executor/model_loader/checkpoint_weight_patch.py`: a
+NaN-masked checkpoint tensor, TP slicing and fused qkv/gate_up parameters mapped by `load_weights`).
+Its docstring: sparse online updates must not use the layerwise-reload lifecycle. So this engine
+starts vLLM's layerwise reload (with pace/weights/reload.py's checks) only when the update's first
+tensors are whole (`receive_weights` of dense info); a patch update touches the served tensors
+directly, then re-processes the layers that share a parameter (the tied head: on CUDA its
+processing reads the shared weight, a no-op; on CPU it would repack the head's kernel).
+
+One engine backend takes both kinds, so a server started by scripts/launch_rollout_server.sh
+needs nothing new. vLLM's own sparse engine takes only patches (its full syncs would have to be
+patches of every element: 3× the bytes in bf16), and its trainer side opens a second NCCL group.
+
+What is not checked on this path: the fingerprints of a patch update (the engine holds the
+patched tensors in runtime coordinates — fused, TP-sharded — so it cannot fingerprint them as
+checkpoint tensors without inverting each loader); the trainer does not expect fingerprints for
+such versions (pace/weights/sync.py), the full syncs (every `rollout.full_sync_every`) are
+checked, and the on-policy mismatch guard runs at every step.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+
+import torch
+from vllm.distributed.weight_transfer.nccl_engine import (
+    NCCLTrainerWeightTransferEngine,
+    NCCLWeightTransferEngine,
+    NCCLWeightTransferUpdateInfo,
+)
+
+from pace.weights.reload import ExactReload, refresh, shared_parameters
+
+
+@dataclass
+class DeltaNCCLUpdateInfo(NCCLWeightTransferUpdateInfo):
+    num_updates_list: list[int] | None = None  # patches: changed elements per tensor (None: whole tensors)
+    version: int | None = None  # the trainer step of these weights
+    base: int | None = None  # patches: the version they apply to
+
+
+class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine):
+    """`pace_nccl`: vLLM's NCCL engine with the reload's checks, and patch updates in place."""
+
+    update_info_cls = DeltaNCCLUpdateInfo
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._kind: str | None = None  # this update's: "whole" or "patches", None before its first receive
+        self.held_version: int | None = None
+
+    def start_weight_update(self) -> None:
+        self._kind = None  # the lifecycle starts with the first receive, once its kind is known
+
+    def receive_weights(self, update_info: DeltaNCCLUpdateInfo) -> None:
+        kind = "whole" if update_info.num_updates_list is None else "patches"
+        if self._kind is None:
+            self._kind = kind
+            if kind == "whole":
+                ExactReload.start_weight_update(self)  # vLLM's layerwise reload, checked
+            else:
+                self._shared = shared_parameters(self.model)
+        elif self._kind != kind:
+            raise RuntimeError("one weight update is either whole tensors or patches, not both")
+        if kind == "whole":
+            self.held_version = None
+            super().receive_weights(update_info)
+            self.held_version = update_info.version
+        else:
+            self._receive_patches(update_info)
+
+    def _receive_patches(self, info: DeltaNCCLUpdateInfo) -> None:
+        """As vLLM's `SparseNCCLWeightTransferEngine.receive_weights`: every patch received on the
+        communicator's device, then applied through the model's loader in place."""
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch,
+            load_checkpoint_weight_patches,
+        )
+
+        group = self.model_update_group
+        if group is None:
+            raise RuntimeError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
+        device = group.device
+        patches = []
+        with torch.accelerator.device_index(device.index):
+            stream = torch.cuda.current_stream(device=device)
+            for name, dtype_name, shape, n in zip(info.names, info.dtype_names, info.shapes, info.num_updates_list,
+                                                  strict=True):
+                dtype = getattr(torch, dtype_name)
+                indices = torch.empty(n, dtype=torch.int32, device=device)
+                values = torch.empty(n, dtype=dtype, device=device)
+                group.broadcast(indices, src=0, stream=stream)
+                group.broadcast(values, src=0, stream=stream)
+                patches.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=dtype, values=values,
+                                                     indices=indices))
+            if self.held_version is None or self.held_version != info.base:
+                raise RuntimeError(f"weight patches for θ_{info.base} → θ_{info.version}, but this engine worker "
+                                   f"holds {'no full update' if self.held_version is None else f'θ_{self.held_version}'}")
+            self.held_version = None  # until they are in
+            load_checkpoint_weight_patches(self.model, patches)
+            self.held_version = info.version
+
+    def finish_weight_update(self) -> None:
+        kind, self._kind = self._kind, None
+        if kind == "whole":
+            ExactReload.finish_weight_update(self)
+            return
+        failures = []
+        for name, layer in self.model.named_modules():  # the layers that share a patched parameter
+            if any(id(p) in self._shared for p in layer._parameters.values() if p is not None):
+                try:
+                    refresh(name, layer)
+                except Exception as exc:  # noqa: BLE001 - named in the update's failure
+                    failures.append(f"{name}: {exc}")
+        self.failure = "; ".join(failures) or None
+
+
+class DeltaNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """vLLM's NCCL trainer engine (whole tensors, packed) and `send_patches` over its group."""
+
+    def send_patches(self, patches: list, version: int, base: int) -> None:
+        """Rank 0: pace/weights/delta.py's patches of θ_version against θ_base, broadcast as vLLM's
+        `SparseNCCLTrainerWeightTransferEngine._broadcast_chunk` does (indices, then values)."""
+        info = DeltaNCCLUpdateInfo(names=[p.name for p in patches],
+                                   dtype_names=[str(p.values.dtype).split(".")[-1] for p in patches],
+                                   shapes=[list(p.full_shape) for p in patches],
+                                   num_updates_list=[int(p.indices.numel()) for p in patches], version=version, base=base)
+        self.client.start_weight_update()
+        future: Future = Future()
+
+        def run():
+            try:
+                future.set_result(self.client.update_weights(asdict(info)))
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="pace-nccl-patches", daemon=True).start()
+        if future.done():
+            future.result()
+        stream = torch.cuda.current_stream()
+        device = self.model_update_group.device
+        for p in patches:
+            self.model_update_group.broadcast(p.indices.to(device, torch.int32).contiguous(), src=0, stream=stream)
+            self.model_update_group.broadcast(p.values.to(device).contiguous(), src=0, stream=stream)
+        future.result()
+        self.client.finish_weight_update()
+        self._post_send_sync()
