@@ -22,7 +22,8 @@ sys.path.insert(0, str(ROOT))
 def tiny_config(arch: str):
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    # vocab 127 (odd): the embedding's rows split unevenly over 2 ranks (a delta sync's shard offsets)
+    common = dict(vocab_size=127, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
     if arch == "moe":  # Qwen3-30B-A3B's layout: every layer sparse, 128 experts top-8 → 8 experts top-2
         return Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -54,11 +55,18 @@ def main(arch: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # FSDP2's fully_shard swaps each wrapped module's class for a subclass named FSDP<class>
     units = sorted({type(m).__name__.removeprefix("FSDP") for m in model.modules() if type(m).__name__.startswith("FSDP")})
+    # the delta sync's baseline (pace/weights/delta.py: each rank its shard's bf16 cast)
+    from pace.weights.delta import DeltaTracker
+
+    tracker = DeltaTracker(model, torch.bfloat16, full_every=0, max_frac=1.0)
+    before = whole_casts(model)
+    tracker.sent(tracker.plan(1), {n: tensor_fingerprint(t) for n, t in before.items()})
     # one forward/backward and a full-state gather of one parameter, as the weight sync does
-    ids = torch.randint(0, 128, (2, 12))
+    ids = torch.randint(0, 127, (2, 12))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     optimizer.step()
+    delta = delta_check(tracker.plan(2), before, whole_casts(model))
     name, p = next(iter(model.named_parameters()))
     full = p.full_tensor() if hasattr(p, "full_tensor") else p
     # the weight sync's source over the sharded model: every parameter, full shape, engine dtype
@@ -69,7 +77,36 @@ def main(arch: str) -> None:
     if acc.is_main_process:
         print("PREPARED " + json.dumps({"processes": acc.num_processes, "state_dict_type": str(plugin.state_dict_type),
                                         "units": units, "loss": float(loss), "first": [name, list(full.shape)],
-                                        "sharded": type(p).__name__, "source_ok": source_ok, "arch": arch}))
+                                        "sharded": type(p).__name__, "source_ok": source_ok, "arch": arch,
+                                        "delta": delta}))
+
+
+def whole_casts(model) -> dict:
+    """Every parameter whole in bf16 (each `full_tensor()` a collective), by checkpoint name."""
+    from pace.weights import source
+
+    return {n: source.engine_tensor(p, torch.bfloat16).clone() for n, p in source.named_parameters(model)}
+
+
+def tensor_fingerprint(t):
+    from pace.weights.fingerprint import tensor_fingerprint as fp
+
+    return fp(t)
+
+
+def delta_check(plan, before: dict, after: dict) -> dict | None:
+    """Rank 0: the delta gathered from both ranks' shards, applied to θ_1's whole casts, gives θ_2's
+    bit for bit; it holds exactly the changed elements; its fingerprints (from the change) are θ_2's."""
+    if torch.distributed.get_rank() != 0:
+        return None
+    rebuilt = {n: t.clone() for n, t in before.items()}
+    for patch in plan.patches:
+        rebuilt[patch.name].view(-1).index_copy_(0, patch.indices.long(), patch.values)
+    changed = sum(int((before[n].view(torch.int16) != after[n].view(torch.int16)).sum()) for n in after)
+    return {"exact": all(torch.equal(rebuilt[n].view(torch.int16), after[n].view(torch.int16)) for n in after),
+            "count": plan.changed == changed == sum(p.indices.numel() for p in plan.patches),
+            "prints": plan.prints == {n: tensor_fingerprint(t) for n, t in after.items()},
+            "changed": changed, "total": plan.total, "full": plan.full}
 
 
 if __name__ == "__main__":

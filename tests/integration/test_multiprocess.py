@@ -135,7 +135,8 @@ def test_fsdp_config_prepares_the_presets_architectures():
     tiny model of the dense and of the 30B-A3B presets' MoE architecture on 2 CPU processes through
     Accelerate's FSDP2 preparation (fsdp_prepare.py says why not `Accelerator.prepare` itself); each
     decoder layer is its own FSDP unit, one update and one full-tensor gather run, and the weight
-    sync's source yields every parameter in full."""
+    sync's source yields every parameter in full. A delta sync of that update, planned from each
+    rank's shard (the embedding split unevenly), rebuilds the whole bf16 casts bit for bit."""
     proc = subprocess.run([*torchrun(2), str(ROOT / "tests/integration/fsdp_prepare.py"), "dense", "moe"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -145,6 +146,10 @@ def test_fsdp_config_prepares_the_presets_architectures():
         assert out["processes"] == 2 and "SHARDED_STATE_DICT" in out["state_dict_type"]
         assert unit in out["units"], out["units"]
         assert out["sharded"] == "DTensor" and out["source_ok"]  # the weight sync gathers every parameter in full
+        # a delta sync (pace/weights/delta.py): each rank diffed its shard, rank 0 gathered the changes
+        delta = out["delta"]
+        assert not delta["full"] and 0 < delta["changed"] < delta["total"], delta
+        assert delta["exact"] and delta["count"] and delta["prints"], delta
 
 
 @pytest.mark.parametrize("ending", ["destroy", "end_processes"])
