@@ -54,6 +54,7 @@ RESUMABLE = (
     "reward.workers", "reward.timeout_s", "reward.max_failed_in_row", "device", "tools.workers", "tools.warm",
     "rollout.resume_inflight", "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps", "trainer.sync_fingerprint", "trainer.dist_timeout_s", "trainer.control_timeout_s",
     "trainer.device_memory_gib",
+    "rollout.weight_delta", "rollout.full_sync_every", "rollout.delta_max_frac",  # how θ travels, not what it is
 )
 
 
