@@ -13,10 +13,12 @@ c exceeds `rollout.delta_max_frac` (null: b / (4 + b), where a delta's bytes rea
 1/3 in bf16, 1/2 in fp32).
 
 The engines' pause scales the same way: each engine pauses `sim.engine.stall_s` × seconds / the full
-sync's seconds. With the nccl and gloo backends the engines are held in `update_weights` while
-rank 0 broadcasts (bytes over the same link) and then load what arrived (a full reload, or a patch
-of the changed elements in place); the rest (pause, resume, the version label, the fingerprint
-check) is assumed to be the same share of the pause as `fixed_s` is of the trainer's side.
+sync's seconds. With nccl (the GPU presets) the engines are held in `update_weights` while rank 0
+broadcasts (bytes over the same link) and then load what arrived: a full reload, or the changed
+elements patched in place (vLLM's `load_checkpoint_weight_patches`); the rest (pause, resume, the
+version label, the fingerprint check) is assumed to be the same share of the pause as `fixed_s` is
+of the trainer's side. (The CPU gloo path reloads every tensor from a patched mirror: there the
+load would not shrink; no CPU scenario has the bytes model.)
 
 Without `sim.sync.params` (a scenario fitted to a run's logs: conf/sim/tiny_cpu.yaml) nothing is
 known of the bytes: every sync takes `sim.trainer.sync_s` and every load pauses `sim.engine.stall_s`,
