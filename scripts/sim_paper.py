@@ -3,6 +3,7 @@ which inputs reproduce the paper's Figure 8 (Async 26.19 s, PACE 28.22 s / raw 2
 
     python scripts/sim_paper.py                       # ~25 min on 2 shared cores → reports/sim/paper.md + figures
     python scripts/sim_paper.py --a-steps 60 --grid-steps 40 --runs /tmp/sp --out /tmp/sp_report   # quicker
+    python scripts/sim_paper.py --parts S             # ~2 min: the weight sync full vs delta → reports/sim/weight_delta.md
 
 Part A, the presets as configured (`+exp=<method>_<preset> +sim=<scenario>`, each preset on its
 own scenario, nothing else overridden: the run's own validation cadence included): the paper's step
@@ -21,6 +22,10 @@ response lengths, the number of engines and the GPU varied (DAPO's 16 updates pe
 grid's setting since it was made); per cell the four step times, compared with the paper's by their
 ratios. The closest cell in which PACE rejects is run again with run directories and figures (its
 values are conf/sim/qwen3_8b_fig8.yaml).
+
+Part S, delta weight sync: the four paper settings' Sync, Async and PACE presets as in part A, with
+every sync full (`rollout.weight_delta=false`, the presets) and with deltas after the first
+(`rollout.weight_delta=true`); the sync's seconds from its bytes (pace/sim/sync.py).
 
 Every value the scenarios use is in conf/sim/<scenario>.yaml with its source (roofline estimates,
 not measurements), for the placement of the preset the scenario is named after.
@@ -54,6 +59,7 @@ from pace.config import target_pool  # noqa: E402
 from pace.records import Fate  # noqa: E402
 from pace.sim.config import register, validate_sim  # noqa: E402
 from pace.sim.run import Simulation  # noqa: E402
+from pace.sim.sync import SyncModel  # noqa: E402
 
 PAPER = {"sync": 97.01, "async": 26.19, "pace_raw": 26.50, "pace": 28.22}  # Figure 8, s/step
 METHODS = {"sync": ("sync", []), "async": ("async", []), "pace_raw": ("pace", ["pace.score=raw"]), "pace": ("pace", [])}
@@ -104,7 +110,7 @@ def simulate(cfg, run_dir: Path | None = None) -> dict:
     mean = {k: float(np.mean([r.get(k, 0.0) for r in rows[WARMUP:]])) for k in
             ("time/step", "time/wait_data", "time/train", "time/sync", "time/generate", "time/rescore", "pool/occupancy",
              "pool/rejected", "pool/filtered", "staleness/k_mean", "staleness/k_gen_mean", "staleness/k_wait_mean",
-             "rollout/tokens_per_s", "train/response_len")}
+             "rollout/tokens_per_s", "train/response_len", "sync/pause_s")}
     mean["rejecting_steps"] = float(np.mean([r.get("pool/rejected", 0) > 0 for r in rows[WARMUP:]]))
     mean["pool_max"] = float(max(r.get("pool/occupancy", 0) for r in rows[WARMUP:]))
     mean["n_star"] = target_pool(cfg)
@@ -267,6 +273,59 @@ def part_a_lines(a: list[dict], args) -> list[str]:
 
 
 
+def part_s(steps: int) -> list[dict]:
+    out = []
+    cases = [(label, scenario, m, delta) for label, scenario, _ in ROWS if label in PAPER_SETTINGS
+             for m in ("sync", "async", "pace") for delta in (False, True)]
+    for label, scenario, method, delta in tqdm(cases, desc="S: weight delta", dynamic_ncols=True):
+        cfg = config(label, scenario, method, steps, f"rollout.weight_delta={str(delta).lower()}")
+        model = SyncModel(cfg)
+        first, second = model.sync(1), model.sync(2)  # a full sync, then (with deltas) a delta
+        out.append({"row": label, "method": method, "weight_delta": delta, "full_s": first.seconds,
+                    "delta_s": second.seconds, "delta_pause_s": second.pause_s, "full_pause_s": first.pause_s,
+                    "full_gb": first.bytes / 1e9, "delta_gb": second.bytes / 1e9, **simulate(cfg)})
+    return out
+
+
+def write_sync_report(s: list[dict], out: Path, args) -> None:
+    by = {(r["row"], r["method"], r["weight_delta"]): r for r in s}
+    lines = ["# Delta weight sync: predicted sync seconds and step times", "",
+             f"`python scripts/sim_paper.py --parts S --a-steps {args.a_steps}` (written by the script). Each paper "
+             "preset on its own scenario as in paper.md part A, with `rollout.weight_delta=false` (every sync full, the "
+             "presets) and `=true` (deltas after the first sync; a full one every `rollout.full_sync_every` = 100 versions). "
+             "A sync's seconds = `sim.sync.fixed_s` + bytes / `sim.sync.gb_per_s`; a delta sends an int32 index + the bf16 "
+             "value per changed element (`sim.sync.changed_frac` of them); the engines' pause scales alike "
+             "(pace/sim/sync.py). Means over steps ≥ 5. **Estimates**: the full sync is the scenarios' assumed value, "
+             "its split and the changed fraction are from verl's delta_sharded measurements (docs/simulator.md); "
+             "nothing here was measured on a GPU.", "",
+             _row("setting", "method", "GB full / delta", "sync s full / delta", "pause s full / delta",
+                  "time/sync per step, delta", "s/step full", "s/step delta", "delta/full", "h/300 full", "h/300 delta"),
+             _row("---", "---", *["---:"] * 9)]
+    for label in PAPER_SETTINGS:
+        for m in ("sync", "async", "pace"):
+            if (label, m, True) not in by:
+                continue
+            f, d = by[label, m, False], by[label, m, True]
+            lines.append(_row(label, NAMES[m], f"{d['full_gb']:.1f} / {d['delta_gb']:.2f}",
+                              f"{d['full_s']:.2f} / {d['delta_s']:.2f}", f"{d['full_pause_s']:.2f} / {d['delta_pause_s']:.2f}",
+                              f"{d['time/sync']:.2f}", f"{f['time/step']:.1f}", f"{d['time/step']:.1f}",
+                              f"{d['time/step'] / f['time/step']:.3f}", f"{f['hours_per_300']:.2f}",
+                              f"{d['hours_per_300']:.2f}"))
+    lines += ["", "Does the paper's comparison still exist (part A's check) with deltas?", "",
+              _row("setting", "PACE rejects full / delta", "Async pool max / n*, full / delta", "PACE/Async full / delta",
+                   "Sync/Async full / delta", "holds full / delta"), _row("---", *["---:"] * 4, "---")]
+    for label in PAPER_SETTINGS:
+        if (label, "pace", True) not in by:
+            continue
+        c = [check({(label, m): by[label, m, delta] for m in ("sync", "async", "pace")}, label) for delta in (False, True)]
+        lines.append(_row(label, " / ".join(f"{100 * x['rejecting_steps']:.0f}%" for x in c),
+                          " / ".join(f"{x['pool_max']:.0f}" for x in c) + f" (n* = {c[0]['n_star']})",
+                          " / ".join(f"{x['pace_over_async']:.3f}" for x in c),
+                          " / ".join(f"{x['sync_over_async']:.2f}" for x in c),
+                          " / ".join("yes" if x["holds"] else "**no**" for x in c)))
+    (out / "weight_delta.md").write_text("\n".join(lines) + "\n")
+
+
 def write_report(a: list[dict], b: list[dict], best: list[dict], out: Path, args) -> None:
     lines = ["# Paper scenarios: predicted step times and staleness", "",
              f"`python scripts/sim_paper.py --a-steps {args.a_steps} --steps {args.steps} --grid-steps {args.grid_steps}` "
@@ -324,7 +383,7 @@ def main() -> None:
     ap.add_argument("--grid-steps", type=int, default=60, help="steps of each part-B run")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "sim_paper")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "sim")
-    ap.add_argument("--parts", default="AB", help="A (presets), B (Figure 8 grid) or both")
+    ap.add_argument("--parts", default="ABS", help="any of A (presets), B (Figure 8 grid), S (weight delta)")
     args = ap.parse_args()
     register_run()
     register()
@@ -334,6 +393,13 @@ def main() -> None:
     for label, *_ in ROWS if a else []:
         build_figures([r["run_dir"] for r in a if r["row"] == label], args.out / f"paper_{label}")
     b = part_b(args.grid_steps) if "B" in args.parts else []
+    if "S" in args.parts:
+        s = part_s(args.a_steps)
+        write_sync_report(s, args.out, args)
+        (args.out / "weight_delta.json").write_text(json.dumps(s, indent=1))
+        print(f"{args.out / 'weight_delta.md'} in {time.perf_counter() - t:.0f} s")
+    if not (a or b):
+        return  # paper.md is parts A and B: not rewritten without them
     best = []
     if b:
         c = _closest_rejecting(b)

@@ -2,9 +2,10 @@
 
 `simulate.py` composes the same groups as `train.py` (pool, algo, +exp presets), so a simulated
 run reads `data.batch_prompts`, `data.group_size`, `rollout.{engines, max_num_seqs, max_tokens,
-max_inflight_groups, sync_every}`, `pool.*`, `pace.*`, `trainer.steps`, `eval.every` under their
-real names; `sim` holds the models of what a simulation does not run (engines, trainer,
-responses, prefix drift). Scenarios (`conf/sim/*.yaml`, `+sim=<name>`) set them with sources.
+max_inflight_groups, sync_every, weight_delta, full_sync_every, delta_max_frac}`, `model.dtype`,
+`pool.*`, `pace.*`, `trainer.steps`, `eval.every` under their real names; `sim` holds the models of
+what a simulation does not run (engines, trainer, responses, prefix drift, the weight sync's
+bytes). Scenarios (`conf/sim/*.yaml`, `+sim=<name>`) set them with sources.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from pace.config import Config
 from pace.config_checks import validate
 from pace.errors import ConfigError
+from pace.sim.sync import DTYPE_BYTES
 
 
 @dataclass
@@ -79,12 +81,23 @@ class SimPfsConfig:
 
 
 @dataclass
+class SimSyncConfig:
+    """A weight sync's seconds from its bytes, full or delta (`rollout.weight_delta`): pace/sim/sync.py."""
+
+    params: Optional[float] = None  # parameters the engines receive (null: no bytes model: sim.trainer.sync_s, sim.engine.stall_s per sync)
+    gb_per_s: float = 1.0  # effective bandwidth of the trainer's side of a sync (gather + send), 1e9 bytes per second
+    fixed_s: float = 0.0  # seconds of a sync whatever its bytes (collectives' latency, RPCs, the diff pass)
+    changed_frac: float = 0.01  # elements whose engine-dtype value changes per version (delta syncs)
+
+
+@dataclass
 class SimConfig:
     name: str = "default"  # the scenario
     engine: SimEngineConfig = field(default_factory=SimEngineConfig)
     trainer: SimTrainerConfig = field(default_factory=SimTrainerConfig)
     responses: SimResponsesConfig = field(default_factory=SimResponsesConfig)
     pfs: SimPfsConfig = field(default_factory=SimPfsConfig)
+    sync: SimSyncConfig = field(default_factory=SimSyncConfig)
     groups: bool = True  # write the per-group Parquet (the largest output at cluster scale)
     sources: dict = field(default_factory=dict)  # where each scenario value comes from (documentation)
 
@@ -110,6 +123,7 @@ def validate_sim(cfg: DictConfig) -> None:
                 "trainer.per_update_s", "trainer.per_token_s", "trainer.sync_s", "trainer.val_s", "responses.grade_s", "pfs.scale", "pfs.noise"):
         if OmegaConf.select(s, key) < 0:
             raise ConfigError(f"sim.{key} must be >= 0, got {OmegaConf.select(s, key)}")
+    _validate_sync(cfg)
     longest = s.responses.prompt_tokens + cfg.rollout.max_tokens + 1
     if s.engine.kv_tokens is not None and s.engine.kv_tokens < longest:
         raise ConfigError(f"sim.engine.kv_tokens={s.engine.kv_tokens} cannot hold one sequence of "
@@ -123,3 +137,18 @@ def validate_sim(cfg: DictConfig) -> None:
                               "wrong_len_factor > 0")
         if lv.concentration is not None and not lv.concentration > 0:
             raise ConfigError(f"sim.responses.levels[{i}].concentration must be > 0 or null")
+
+
+def _validate_sync(cfg: DictConfig) -> None:
+    """The bytes model's keys (the rollout's delta keys are pace.config_checks.validate's)."""
+    y = cfg.sim.sync
+    if y.params is None:
+        return
+    if cfg.model.dtype not in DTYPE_BYTES:
+        raise ConfigError(f"model.dtype={cfg.model.dtype}: the sync's bytes model knows {sorted(DTYPE_BYTES)}")
+    if not (y.params > 0 and y.gb_per_s > 0 and y.fixed_s >= 0 and 0 <= y.changed_frac <= 1):
+        raise ConfigError("sim.sync: need params > 0, gb_per_s > 0, fixed_s >= 0, changed_frac in [0, 1]; got "
+                          f"{OmegaConf.to_container(y)}")
+    if cfg.sim.trainer.sync_s > 0:
+        raise ConfigError(f"sim.trainer.sync_s={cfg.sim.trainer.sync_s} and sim.sync.params={y.params} are both set: "
+                          "the bytes model replaces the constant (set sim.sync.params=null to use sim.trainer.sync_s)")

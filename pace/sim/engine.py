@@ -109,10 +109,11 @@ class SimEngine:
         self.event_id += 1
         return done
 
-    def load_weights(self, version: int, now: float) -> list[Finished]:
-        """Weights ``version`` load at the end of the step in progress at ``now``, then a stall."""
+    def load_weights(self, version: int, now: float, stall_s: float | None = None) -> list[Finished]:
+        """Weights ``version`` load at the end of the step in progress at ``now``, then a stall of
+        ``stall_s`` (default: the configured one)."""
         done = self.advance_to(now)
-        self.clock += self.stall_s
+        self.clock += self.stall_s if stall_s is None else stall_s
         self.version = version
         self._vc.append(self.counter)
         self._vv.append(version)

@@ -32,6 +32,7 @@ from pace.records import Fate
 from pace.sim.engine import Finished, SimEngine
 from pace.sim.records import SimGroup
 from pace.sim.responses import PfsModel, ResponseModel
+from pace.sim.sync import Sync, SyncModel
 
 _ENGINE, _TRAIN_DONE, _SYNCED, _PUBLISH, _ARRIVE = range(5)
 
@@ -49,6 +50,7 @@ class Simulation:
         rng = np.random.default_rng(cfg.seed)
         self.responses = ResponseModel(s.responses, self.g, cfg.rollout.max_tokens, cfg.rollout.overlong_buffer, rng)
         self.pfs = PfsModel(s.pfs, rng)
+        self.syncs = SyncModel(cfg)  # each sync's seconds and the engines' pause (full or delta: pace/sim/sync.py)
         metric = (lambda g: g.correct.astype(float).tolist()) if cfg.algo.filter_on == "acc" else (lambda g: g.reward.tolist())
         self.pool = Pool(build_policy(cfg), informative=lambda g: is_informative(metric(g)), capacity=cfg.pool.capacity)
         self.engines = [SimEngine(i, s.engine, cfg.rollout.max_num_seqs) for i in range(cfg.rollout.engines)]
@@ -97,9 +99,9 @@ class Simulation:
             elif kind == _TRAIN_DONE:
                 self._train_done(*payload)
             elif kind == _SYNCED:
-                self._synced(payload)
+                self._synced(*payload)
             elif kind == _PUBLISH:
-                self._publish(payload)
+                self._publish(*payload)
             self._after_change()
             if self.trainer_version != before:
                 bar.update(self.trainer_version - before)
@@ -208,14 +210,14 @@ class Simulation:
             self.stats["rescore_tokens"] += tokens
             self.pool.set_pfs(g, self.pfs.score(lags), v)
 
-    def _publish(self, version: int) -> None:
+    def _publish(self, version: int, pause_s: float) -> None:
         if self.now < self._val_until:  # a validation of the loaded weights is still running
-            self._push(self._val_until, _PUBLISH, version)
+            self._push(self._val_until, _PUBLISH, (version, pause_s))
             return
         self.fleet_version = version
         self._dirty = True
         for e in self.engines:
-            self._finished(e.load_weights(version, self.now))
+            self._finished(e.load_weights(version, self.now, pause_s))
             self._touched.add(e)
         self.stats["syncs"] += 1
         every = self.cfg.eval.every
@@ -247,18 +249,18 @@ class Simulation:
         self._dirty = True
         self._slowdown(1.0)
         due = self.trainer_version % self.cfg.rollout.sync_every == 0 or self.trainer_version == self.steps
-        sync_s = self.cfg.sim.trainer.sync_s if due else 0.0
+        sync = self.syncs.sync(self.trainer_version) if due else None
         decided = self.pool.drain_decided()
-        metrics = self._metrics(batch, decided, wait=started - self._wait_since, train_s=train_s, sync_s=sync_s)
+        metrics = self._metrics(batch, decided, wait=started - self._wait_since, train_s=train_s, sync=sync)
         self.rows.append(metrics)
         if self.on_step is not None:
             self.on_step(batch.step, metrics, decided)
-        self._push(self.now + sync_s, _SYNCED, self.trainer_version if due else None)
+        self._push(self.now + (sync.seconds if sync else 0.0), _SYNCED, (self.trainer_version, sync))
 
-    def _synced(self, version: int | None) -> None:
+    def _synced(self, version: int, sync: Sync | None) -> None:
         """The trainer is free for the next batch (train.py: prepare, log, publish, loop)."""
-        if version is not None:
-            self._publish(version)
+        if sync is not None:
+            self._publish(version, sync.pause_s)
         self._training = False
         self._wait_since = self.now
         self._dirty = True
@@ -270,7 +272,7 @@ class Simulation:
                 self._touched.add(e)
 
     # --- what a step logs: the names of pace/loop.py's step_metrics (docs/design.md §6) ------------------
-    def _metrics(self, batch, decided: list, wait: float, train_s: float, sync_s: float) -> dict:
+    def _metrics(self, batch, decided: list, wait: float, train_s: float, sync: Sync | None) -> dict:
         step, groups = batch.step, batch.groups
         ks = np.array([g.staleness(step) for g in groups])
         arrived, self._arrived = self._arrived, []
@@ -284,6 +286,11 @@ class Simulation:
         tokens = sum(e.tokens for e in self.engines)
         busy, rescore = sum(e.busy_s for e in self.engines), sum(e.rescore_s for e in self.engines)
         dt = self.now - self._last[0]
+        sync_s = sync.seconds if sync else 0.0
+        if sync is not None:  # the names of the real sync's metrics (pace/weights/sync.py)
+            m.update({"sync/pause_s": sync.pause_s, "sync/full": int(sync.full)})
+            if sync.bytes is not None:
+                m.update({"sync/bytes": sync.bytes, "sync/changed_frac": sync.changed_frac})
         m.update({
             "train/reward_mean": float(np.concatenate([g.reward for g in groups]).mean()),
             "train/acc_mean": float(np.concatenate([g.correct for g in groups]).mean()),
