@@ -14,9 +14,10 @@ the fp32 masters (every master moves; a cast that keeps its bits need not be sen
 values (−0.0 == +0.0, NaN != NaN): the engine must end bit-equal to the trainer's cast.
 
 Each rank diffs its own shard (an FSDP2 `DTensor` sharded on dim 0, or a whole tensor): it keeps
-the cast of its shard as of the version the engines hold (one engine-dtype copy of its shard),
-finds the changed elements there, and only those (flat indices in the whole tensor, values) are
-gathered to rank 0 — no parameter is all-gathered. The fingerprint of each whole tensor
+the cast of its shard as of the last version sent in host memory (one engine-dtype copy of its
+shard, pinned on a GPU machine; nothing on the device between syncs), finds the changed elements
+one tensor at a time on the parameter's device, and only those (flat indices in the whole tensor,
+values) are gathered to rank 0 — no parameter is all-gathered. The fingerprint of each whole tensor
 (pace/weights/fingerprint.py) is a position-weighted sum of its bits, so its change is the sum
 over the changed elements of (new bits − old bits) · weight: every rank adds its own, rank 0 gets
 the total, and the exact weight check compares the engines against θ_v without a full pass.
@@ -54,15 +55,16 @@ class Plan:
     version: int
     full: bool
     reason: str  # why full ("first", "every", "changed", "reset"), or "delta"
-    changed: int = 0  # elements whose cast changed since the engines' version (every rank's total)
+    changed: int | None = 0  # elements whose cast changed since the engines' version (every rank's total;
+    # None: unknown, the engines' version is)
     total: int = 0  # elements of θ
     patches: list[Patch] = field(default_factory=list)
     prints: dict[str, int] | None = None  # rank 0: θ_version's fingerprints (a delta's, from the change)
     value_bytes: int = 4
 
     @property
-    def changed_frac(self) -> float:
-        return self.changed / self.total if self.total else 0.0
+    def changed_frac(self) -> float | None:
+        return None if self.changed is None else self.changed / self.total if self.total else 0.0
 
     @property
     def bytes(self) -> int:
@@ -108,7 +110,9 @@ def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 class DeltaTracker:
-    """The cast θ the engines hold, as every rank's shards, and the plan of each next sync."""
+    """The cast θ of the last version sent, as this rank's shards in host memory, and the plan of
+    each next sync. One engine-dtype copy of the shard on the host (`held_bytes`), nothing on the
+    device between syncs: a plan moves one tensor of it at a time to the parameter's device."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, full_every: int = 0,
                  max_frac: float | None = None, fingerprints: bool = True, group=None):
@@ -117,16 +121,18 @@ class DeltaTracker:
         self.full_every = full_every
         self.max_frac = break_even(dtype) if max_frac is None else max_frac
         self.group = group  # the trainer ranks' process group (None: the default one, if initialised)
-        self._held: dict[str, torch.Tensor] | None = None  # name → cast local shard of the engines' version
-        self._version: int | None = None  # the version the engines hold (None: unknown → full)
+        self._held: dict[str, torch.Tensor] = {}  # name → the cast of its shard at `_held_version`, on the host
+        self._held_version: int | None = None  # the last version sent (the trainer's; None: none yet)
+        self._version: int | None = None  # the version the engines hold (None: unknown → whole)
         self._last_full: int | None = None
-        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None  # a plan's casts until it is sent
+        # a plan's changes until it is sent: (version, name → (shard positions, values) or the whole cast)
+        self._pending: tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor] | torch.Tensor]] | None = None
         self.prints: dict[str, int] | None = None  # rank 0: the engines' version's fingerprints
 
     @property
     def held_bytes(self) -> int:
-        """This rank's memory for the engines' cast (one engine-dtype copy of its shards)."""
-        return sum(t.numel() * t.element_size() for t in (self._held or {}).values())
+        """This rank's host memory for the last version's cast (one engine-dtype copy of its shards)."""
+        return sum(t.numel() * t.element_size() for t in self._held.values())
 
     @property
     def version(self) -> int | None:
@@ -134,59 +140,60 @@ class DeltaTracker:
         return self._version
 
     def reset(self) -> None:
-        """The engines' weights are unknown (an engine joined, an update failed): next sync full.
-        A plan made already stays valid as θ of its version (`whole`)."""
-        self._held, self._version, self.prints = None, None, None
+        """The engines' weights are unknown (an engine joined, an update failed): the next sync is
+        whole. A plan made already stays θ of its version (`whole`)."""
+        self._version, self.prints = None, None
 
     def whole(self, plan: Plan) -> Plan:
         """``plan`` sent as every tensor (the engines' version became unknown after it was made)."""
-        return Plan(plan.version, True, "reset", changed=plan.total, total=plan.total, value_bytes=plan.value_bytes)
-
-    def _casts(self) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...]]]:
-        with torch.no_grad():
-            out = {}
-            for name, p in source.named_parameters(self.model):
-                local, offset = local_shard(p.detach())
-                # a copy even where the parameter already has the engine dtype (it changes in place)
-                out[name] = (local.to(self.dtype, copy=True).reshape(-1), offset, tuple(p.shape))
-            return out
+        return Plan(plan.version, True, "reset", changed=plan.changed, total=plan.total, value_bytes=plan.value_bytes)
 
     def plan(self, version: int) -> Plan:
         """Every rank: what the sync of θ_version sends. A delta gathers the changed elements to
         rank 0 (a collective), where the plan holds them as patches with θ_version's fingerprints."""
-        casts = self._casts()
-        total = sum(_numel(shape) for _, _, shape in casts.values())
         size = torch.empty((), dtype=self.dtype).element_size()
-        reason = None
-        if self._held is None or self._version is None:
-            reason = "first" if self._last_full is None else "reset"
-        elif self.full_every and self._last_full is not None and version - self._last_full >= self.full_every:
-            reason = "every"
-        if reason is not None:
-            self._pending = (version, {n: c for n, (c, _, _) in casts.items()})
-            return Plan(version, True, reason, changed=total, total=total, value_bytes=size)
-        local = []  # per tensor: (global positions, values, fingerprint change)
-        for name, (cast, offset, _) in casts.items():
-            old = self._held[name]
-            pos = changed_positions(old, cast)
-            change = _print_change(old[pos], cast[pos], pos + offset) if self.fingerprints else torch.zeros((), dtype=torch.int64)
-            local.append((pos + offset, cast[pos], change))
-        counts = torch.tensor([len(p) for p, _, _ in local], dtype=torch.int64)
-        changed = int(_all_sum(counts.clone(), self.group).sum())
-        self._pending = (version, {n: c for n, (c, _, _) in casts.items()})
+        known = self._held_version is not None
+        total, diffs, pending = 0, [], {}
+        with torch.no_grad():
+            for name, p in source.named_parameters(self.model):
+                shard, offset = local_shard(p.detach())
+                cast = shard.to(self.dtype).reshape(-1)
+                total += p.numel()
+                if not known:  # the first sync: the whole cast is the baseline
+                    pending[name] = _host_copy(cast)
+                    continue
+                old = self._held[name].to(cast.device, non_blocking=True)
+                pos = changed_positions(old, cast)
+                diffs.append((name, pos, offset, old[pos], cast[pos], tuple(p.shape)))
+                # few changes: kept as positions and values; many: the whole cast (smaller)
+                pending[name] = ((pos.cpu(), cast[pos].cpu()) if 3 * len(pos) < cast.numel()
+                                 else _host_copy(cast))
+        self._pending = (version, pending)
+        if not known:
+            return Plan(version, True, "first", changed=None, total=total, value_bytes=size)
+        counts = torch.tensor([len(d[1]) for d in diffs], dtype=torch.int64)
+        changed = int(_all_sum(counts, self.group).sum())  # against the last version sent
+        if self._version is None:  # what the engines hold is unknown (a group formed again, a failed sync)
+            return Plan(version, True, "reset", changed=changed, total=total, value_bytes=size)
+        if self.full_every and self._last_full is not None and version - self._last_full >= self.full_every:
+            return Plan(version, True, "every", changed=changed, total=total, value_bytes=size)
         if changed > self.max_frac * total:
             return Plan(version, True, "changed", changed=changed, total=total, value_bytes=size)
+        local = []  # per tensor: (global positions, values, fingerprint change)
+        for _, pos, offset, old, new, _ in diffs:
+            change = _print_change(old, new, pos + offset) if self.fingerprints else torch.zeros((), dtype=torch.int64)
+            local.append((pos + offset, new, change))
         prints_change = _all_sum(torch.stack([d for _, _, d in local]) if local else torch.zeros(0, dtype=torch.int64),
                                  self.group)
         gathered = _gather(local, self.group)
         plan = Plan(version, False, "delta", changed=changed, total=total, value_bytes=size)
         if gathered is not None:  # rank 0
-            for (name, (_, _, shape)), (pos, vals) in zip(casts.items(), gathered):
+            for (name, *_, shape), (pos, vals) in zip(diffs, gathered):
                 if len(pos):
                     order = torch.argsort(pos)
                     plan.patches.append(Patch(name, pos[order].to(torch.int32), vals[order], shape))
             if self.fingerprints and self.prints is not None:
-                plan.prints = {n: self.prints[n] + int(d) for n, d in zip(casts, prints_change.tolist())}
+                plan.prints = {d[0]: self.prints[d[0]] + int(c) for d, c in zip(diffs, prints_change.tolist())}
         return plan
 
     def sent(self, plan: Plan, prints: dict[str, int] | None = None) -> None:
@@ -194,11 +201,31 @@ class DeltaTracker:
         ``prints``: rank 0's fingerprints of a full sync's tensors (the delta's are in the plan)."""
         if self._pending is None or self._pending[0] != plan.version:
             raise RuntimeError(f"delta weight sync: sent({plan.version}) without its plan")
-        self._held, self._version = self._pending[1], plan.version
+        for name, change in self._pending[1].items():
+            if isinstance(change, tuple):
+                pos, vals = change
+                self._held[name].index_copy_(0, pos, vals)
+            else:
+                self._held[name] = change
+        self._held_version = self._version = plan.version
         self._pending = None
         if plan.full:
             self._last_full = plan.version
         self.prints = prints if plan.full else plan.prints
+
+    def failed(self) -> None:
+        """The sync of the last plan failed: the engines' weights are unknown, the plan dropped."""
+        self._pending = None
+        self.reset()
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to host memory (pinned when it comes from a GPU: the next plan reads it back)."""
+    if t.device.type == "cpu":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out
 
 
 def _numel(shape) -> int:

@@ -165,7 +165,7 @@ class WeightSync:
                     self.delta.sent(plan, self._full_prints)
             except Exception as exc:
                 if self.delta is not None:
-                    self.delta.reset()  # what the engines hold is unknown: whole tensors next
+                    self.delta.failed()  # what the engines hold is unknown: whole tensors next
                 failed = None if fleet is None else fleet.wait_failed(known)
                 if failed is None:
                     raise
@@ -202,7 +202,7 @@ class WeightSync:
         if plan is None:
             return {}
         out = {"sync/full": int(plan.full), "sync/bytes": plan.bytes}
-        if plan.reason != "first":  # measured against the engines' version
+        if plan.changed_frac is not None:  # measured against the engines' version (unknown at a first sync)
             out["sync/changed_frac"] = plan.changed_frac
         return out
 

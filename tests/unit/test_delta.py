@@ -104,8 +104,10 @@ def test_whole_syncs_first_every_n_when_too_much_changed_and_after_a_reset():
             model[1].bias[0] += 1.0  # one element a version: a delta whenever one may be
         plan = tracker.plan(version)
         tracker.sent(plan, None)
-        plans.append((plan.full, plan.reason))
-    assert plans == [(True, "first"), (False, "delta"), (False, "delta"), (True, "every"), (False, "delta")]
+        plans.append((plan.full, plan.reason, plan.changed))
+    # the changed count is measured for a periodic whole sync too; unknown only when the engines' is
+    assert plans == [(True, "first", None), (False, "delta", 1), (False, "delta", 1), (True, "every", 1),
+                     (False, "delta", 1)]
     with torch.no_grad():
         model[0].weight.add_(1.0)  # most elements change: whole is cheaper
     plan = tracker.plan(6)
@@ -137,3 +139,24 @@ def test_a_plan_made_before_a_reset_is_sent_whole_with_the_same_weights():
         model[1].bias[1] += 1.0
     nxt = tracker.plan(3)
     assert [(p.name, p.indices.tolist()) for p in nxt.patches] == [("1.bias", [1])]  # against θ_2, not θ_1
+
+
+def test_after_a_failed_sync_the_next_is_whole_and_the_baseline_is_the_last_sent():
+    """A sync that failed leaves the engines' weights unknown: the next plan is whole, and the one
+    after it a delta against what that whole sync sent."""
+    model = _model()
+    tracker = DeltaTracker(model, torch.bfloat16, full_every=0, max_frac=1.0)
+    tracker.sent(tracker.plan(1), None)
+    with torch.no_grad():
+        model[1].bias[0] += 1.0
+    assert not tracker.plan(2).full
+    tracker.failed()
+    with torch.no_grad():
+        model[1].bias[1] += 1.0
+    plan = tracker.plan(3)
+    assert (plan.full, plan.reason, plan.changed) == (True, "reset", 2)  # θ_3 against θ_1, the last sent
+    tracker.sent(plan, None)
+    assert tracker.held_bytes == 2 * sum(p.numel() for p in model.parameters())  # one bf16 copy, on the host
+    with torch.no_grad():
+        model[1].bias[2] += 1.0
+    assert [(p.name, p.indices.tolist()) for p in tracker.plan(4).patches] == [("1.bias", [2])]
