@@ -39,6 +39,13 @@ def summarize(run_dir: str, window: int = 20) -> bool:
                 print(f"{what}: first {window} steps {s[key].head(window).mean():.3f}   last {window} steps {s[key].tail(window).mean():.3f}")
     times = "  ".join(f"{k.split('/')[1]} {s[k].mean():.3f}" for k in PHASES if k in s)
     print(f"seconds per step (mean): {times}")
+    if "sync/bytes" in s:  # rollout.weight_delta: what the weight syncs sent (docs/weight-sync.md)
+        synced = s.dropna(subset=["sync/bytes"])
+        whole = synced["sync/full"] == 1
+        frac = synced.loc[~whole, "sync/changed_frac"] if "sync/changed_frac" in synced else synced.loc[[], "sync/bytes"]
+        print(f"weight syncs: {len(synced)} ({int(whole.sum())} whole, {int((~whole).sum())} patches)   MB a sync: whole "
+              f"{synced.loc[whole, 'sync/bytes'].mean() / 1e6:.3f}, patches {synced.loc[~whole, 'sync/bytes'].mean() / 1e6:.3f}"
+              f"   changed fraction {frac.mean():.4f}   engines paused {s['sync/pause_s'].mean() if 'sync/pause_s' in s else float('nan'):.3f} s a step")
     ok = True
     if not g.empty:
         consumed = g[g.fate == "consumed"]

@@ -56,6 +56,9 @@ def test_two_engines_take_delta_syncs_exactly_through_a_forced_full_sync_and_a_r
         assert r["sync/pause_s"] >= 0
     mismatch = [r["mismatch/abs_logp_diff"] for r in rows if "mismatch/abs_logp_diff" in r]
     assert len(mismatch) == 4 and max(mismatch) < 5e-6, mismatch  # float32 rounding: ~4e-7 measured
+    out = subprocess.run([sys.executable, "-m", "analysis.summarize_run", str(run)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert "weight syncs: 4 (2 whole, 2 patches)" in out.stdout, out.stdout + out.stderr
 
     # resumed from θ_2: the engines start from the model directory, so θ_2 goes whole, then patches
     summary = _train(run, tmp_path / "resume-hydra", f"resume={run / 'checkpoints' / 'step-000002'}", "trainer.steps=6",
