@@ -111,6 +111,10 @@ def checks(results: list[dict]) -> list[tuple[str, bool, str]]:
         lambda r: f"{r['tokens']:,} tokens: loss {r['loss']:.4f}, {100 * r['changed_layers']:.2f}% of layer weights moved at "
                   f"lr 1e-6, peak {r.get('peak_gib', float('nan')):.1f} GiB ({r.get('above_states_gib', float('nan')):.1f} "
                   f"above the weights, gradients and AdamW state), {r['seconds']:.1f} s")
+    for case in ("fsdp", "moe"):  # pace/weights/delta.py on the step's update at lr 1e-6
+        row(f"{case}: delta sync of the step", case, "delta", lambda r: not r["full"] and 0 < r["changed_frac"] < 1 / 3,
+            lambda r: f"{100 * r['changed_frac']:.2f}% of the bf16 casts changed: {100 * r['bytes_ratio']:.1f}% of a whole "
+                      f"sync's bytes; planned in {r['seconds']:.2f} s, {r['host_gib']:.1f} GiB of host memory")
     row("chunked = full log-probs", "fsdp", "agreement", lambda r: r["max_abs"] < 0.1 and r["mean_abs"] < 0.01,
         lambda r: f"max |Δ| {r['max_abs']:.2e}, mean {r['mean_abs']:.2e} over {r['tokens']:,} tokens")
     row("algo=m2po step", "fsdp", "m2po", lambda r: r["finite"], lambda r: f"loss {r['loss']:.4f}, m2 {r.get('m2', float('nan')):.2e}")

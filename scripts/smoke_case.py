@@ -182,6 +182,12 @@ def run_case(args) -> None:
     shards = sorted({str(p.dtype) for p in model.parameters()})
     sharded = sorted({type(p).__name__ for p in model.parameters()})
     before = local_shards(model)
+    tracker = None
+    if case != "pure":  # the delta sync's baseline (pace/weights/delta.py): the bf16 cast of θ_0 on the host
+        from pace.weights.delta import DeltaTracker
+
+        tracker = DeltaTracker(model, torch.bfloat16, full_every=0, max_frac=1.0, fingerprints=False)
+        tracker.sent(tracker.plan(0))
     if case != "pure":
         emit(case, "source", **engine_view(trainer, args.model, cuda))
     batch = batch_of(trainer, prompt, response, vocab)  # its no-grad forward runs q_proj once
@@ -197,6 +203,16 @@ def run_case(args) -> None:
     emit(case, "step", tokens=prompt + response, shards=shards, changed_layers=changed_layers, changed_all=changed_all,
          **step)
     del before
+    if tracker is not None:  # what a delta sync of this step would send, and what planning it costs
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan = tracker.plan(1)
+        if cuda:
+            torch.cuda.synchronize()
+        emit(case, "delta", changed_frac=plan.changed_frac, bytes_ratio=plan.bytes / (plan.total * 2), full=plan.full,
+             seconds=time.perf_counter() - t0, host_gib=tracker.held_bytes / 2**30)
+        del tracker, plan
     if case != "fsdp":
         return
 

@@ -21,7 +21,7 @@ def test_gpu_smoke_tiny_passes_every_check():
     got = {(r["case"], r["what"]): r for r in (json.loads(line[6:]) for line in proc.stdout.splitlines()
                                                if line.startswith("SMOKE "))}
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| check |" not in line]
-    assert len(table) == 14 and all(" | yes | " in line for line in table), "\n".join(table)
+    assert len(table) == 16 and all(" | yes | " in line for line in table), "\n".join(table)
     # what the checks rest on, read here too: the cases ran as the trainer runs on GPUs
     setup = got[("fsdp", "setup")]
     assert setup["fsdp2"] and setup["shards"] == ["torch.float32"] and setup["compute"] == "torch.bfloat16"
@@ -33,6 +33,8 @@ def test_gpu_smoke_tiny_passes_every_check():
     # chunked = full check ran on its own shorter row
     assert all(0 < got[(case, "memory")]["predicted"]["peak"] < 0.01 for case in ("fsdp", "pure", "moe"))
     assert got[("fsdp", "agreement")]["tokens"] == 224
+    # a delta sync of the step (pace/weights/delta.py) against θ_0's cast, over the FSDP2 shards
+    assert all(0 < got[(case, "delta")]["changed_frac"] < 0.2 for case in ("fsdp", "moe"))
 
 
 @pytest.mark.parametrize("preset", PAPER_PRESETS)
