@@ -27,9 +27,9 @@ also waits for the trainer's cast and the wire, but it does not shrink with the 
 The random model (`--hidden`, `--layers`, …; Qwen3-0.6B's shape by default, 0.6 B parameters,
 tied embeddings) is saved once in bfloat16, as released checkpoints are, under data/cache/, with
 the tiny model's tokenizer (the engine needs one; no text is generated). Its fp32 masters therefore
-start on the bf16 grid, as a run from such a checkpoint does. Its run peaks at ~12 GB in the trainer
-(fp32 weights, gradients, AdamW's moments, two bf16 casts) and ~5 GB in the engine's processes.
-Measure with nothing else running.
+start on the bf16 grid, as a run from such a checkpoint does. Its run peaks at ~11 GB in the trainer
+(fp32 weights, gradients, AdamW's moments, two bf16 casts) and ~6–7 GB in the engine's processes:
+~17 GB in all (fewer `--layers`, less). Measure with nothing else running.
 """
 from __future__ import annotations
 
