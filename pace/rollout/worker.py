@@ -86,6 +86,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._pause_req = threading.Event()  # the trainer thread asks for a pause (checkpoint)
         self._paused = threading.Event()  # this thread acknowledges it, between engine steps
         self._update_lock = threading.Lock()
+        self._paused_at = time.perf_counter()  # when the engines paused for the update in progress (begin_update)
         self._update: WeightUpdate | None = None
         self._calls: queue.Queue = queue.Queue()  # (fn, future) run on this thread (BlockingClient)
         self._transfer_ready = False

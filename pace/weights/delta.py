@@ -29,6 +29,7 @@ int32 index and its value, a dense one its value: 1/3 in bf16, 1/2 in fp32).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,18 @@ class Plan:
         return self.changed * (INDEX_BYTES + self.value_bytes)
 
 
+@dataclass
+class _Entry:
+    """One tensor in a plan, on this rank: what it reports (nothing where another rank does)."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # flat position of this rank's shard in the whole tensor
+    positions: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # in the shard
+    values: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    print_change: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+
+
 def break_even(dtype: torch.dtype) -> float:
     """The changed fraction above which a full sync sends fewer bytes than patches."""
     size = torch.empty((), dtype=dtype).element_size()
@@ -90,23 +103,26 @@ def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(bits(old.reshape(-1)) != bits(new.reshape(-1))).reshape(-1)
 
 
-def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``p``'s local part and the flat position in the whole tensor where it starts: a `DTensor`
-    sharded on dim 0 (FSDP2) or replicated; a plain tensor is whole (offset 0)."""
+def local_shard(p: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """``p``'s local part, the flat position in the whole tensor where it starts, and whether this
+    rank is the one that reports it: a `DTensor` sharded on dim 0 (FSDP2; HSDP replicates the shards
+    over a mesh dimension, reported by its replica 0), or a plain tensor (whole on every rank without
+    FSDP: reported by rank 0), so that each element is gathered once."""
     if not hasattr(p, "to_local"):
-        return p, 0
+        import torch.distributed as dist
+
+        return p, 0, not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = tuple(p.placements)
     if not all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in placements):
         raise NotImplementedError(f"delta weight sync: a parameter sharded as {placements} (only dim 0, FSDP2's)")
-    local = p.to_local()
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
-    row = 1
-    for d in p.shape[1:]:
-        row *= d
-    return local, (offset[0] if offset else 0) * row
+    mesh = p.device_mesh
+    coords = mesh.get_coordinate() or [0] * mesh.ndim
+    primary = all(c == 0 for c, pl in zip(coords, placements) if isinstance(pl, Replicate))
+    _, offset = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+    return p.to_local(), (offset[0] if offset else 0) * math.prod(p.shape[1:]), primary
 
 
 class DeltaTracker:
@@ -150,50 +166,59 @@ class DeltaTracker:
 
     def plan(self, version: int) -> Plan:
         """Every rank: what the sync of θ_version sends. A delta gathers the changed elements to
-        rank 0 (a collective), where the plan holds them as patches with θ_version's fingerprints."""
+        rank 0 (a collective a tensor), where the plan holds them as patches with θ_version's
+        fingerprints. The device holds one tensor's cast and diff at a time; what changed waits in
+        host memory until the sync is sent (positions and values, or the whole cast where that is
+        smaller)."""
         size = torch.empty((), dtype=self.dtype).element_size()
         known = self._held_version is not None
-        total, diffs, pending = 0, [], {}
+        total, pending, entries, nans = 0, {}, [], torch.zeros((), dtype=torch.int64)
         with torch.no_grad():
             for name, p in source.named_parameters(self.model):
-                shard, offset = local_shard(p.detach())
-                cast = shard.to(self.dtype).reshape(-1)
+                if p.numel() >= 2**31:
+                    raise NotImplementedError(f"delta weight sync: {name} has {p.numel()} elements, beyond int32 "
+                                              "flat indices (vLLM's sparse patches)")
                 total += p.numel()
+                shard, offset, primary = local_shard(p.detach())
+                entry = _Entry(name, tuple(p.shape), offset)
+                entries.append(entry)
+                if not primary:  # another rank reports this tensor's elements
+                    continue
+                cast = shard.to(self.dtype).reshape(-1)
                 if not known:  # the first sync: the whole cast is the baseline
                     pending[name] = _host_copy(cast)
                     continue
                 old = self._held[name].to(cast.device, non_blocking=True)
                 pos = changed_positions(old, cast)
-                diffs.append((name, pos, offset, old[pos], cast[pos], tuple(p.shape)))
-                # few changes: kept as positions and values; many: the whole cast (smaller)
-                pending[name] = ((pos.cpu(), cast[pos].cpu()) if 3 * len(pos) < cast.numel()
-                                 else _host_copy(cast))
+                new = cast[pos]
+                nans += torch.isnan(new).sum().cpu()
+                if self.fingerprints:
+                    entry.print_change = _print_change(old[pos], new, pos + offset).cpu()
+                entry.positions, entry.values = pos.to(torch.int32).cpu(), new.cpu()
+                small = len(pos) * (INDEX_BYTES + size) < cast.numel() * size
+                pending[name] = (entry.positions, entry.values) if small else _host_copy(cast)
         self._pending = (version, pending)
         if not known:
             return Plan(version, True, "first", changed=None, total=total, value_bytes=size)
-        counts = torch.tensor([len(d[1]) for d in diffs], dtype=torch.int64)
-        changed = int(_all_sum(counts, self.group).sum())  # against the last version sent
-        if self._version is None:  # what the engines hold is unknown (a group formed again, a failed sync)
-            return Plan(version, True, "reset", changed=changed, total=total, value_bytes=size)
-        if self.full_every and self._last_full is not None and version - self._last_full >= self.full_every:
-            return Plan(version, True, "every", changed=changed, total=total, value_bytes=size)
-        if changed > self.max_frac * total:
-            return Plan(version, True, "changed", changed=changed, total=total, value_bytes=size)
-        local = []  # per tensor: (global positions, values, fingerprint change)
-        for _, pos, offset, old, new, _ in diffs:
-            change = _print_change(old, new, pos + offset) if self.fingerprints else torch.zeros((), dtype=torch.int64)
-            local.append((pos + offset, new, change))
-        prints_change = _all_sum(torch.stack([d for _, _, d in local]) if local else torch.zeros(0, dtype=torch.int64),
-                                 self.group)
-        gathered = _gather(local, self.group)
+        counts = torch.tensor([len(e.positions) for e in entries] + [int(nans)], dtype=torch.int64)
+        summed = _all_sum(counts, self.group)
+        changed, nan = int(summed[:-1].sum()), int(summed[-1])
+        reason = ("reset" if self._version is None  # the engines' weights are unknown (a group formed again)
+                  else "every" if self.full_every and self._last_full is not None
+                  and version - self._last_full >= self.full_every
+                  else "changed" if changed > self.max_frac * total
+                  else "nan" if nan  # NaN marks "unchanged" in vLLM's patches: sent whole
+                  else None)
+        if reason is not None:
+            return Plan(version, True, reason, changed=changed, total=total, value_bytes=size)
         plan = Plan(version, False, "delta", changed=changed, total=total, value_bytes=size)
-        if gathered is not None:  # rank 0
-            for (name, *_, shape), (pos, vals) in zip(diffs, gathered):
-                if len(pos):
-                    order = torch.argsort(pos)
-                    plan.patches.append(Patch(name, pos[order].to(torch.int32), vals[order], shape))
-            if self.fingerprints and self.prints is not None:
-                plan.prints = {d[0]: self.prints[d[0]] + int(c) for d, c in zip(diffs, prints_change.tolist())}
+        change = _all_sum(torch.stack([e.print_change for e in entries]), self.group) if entries else None
+        for entry, (pos, vals) in zip(entries, _gather(entries, self.dtype, self.group)):
+            if pos is not None and len(pos):
+                order = torch.argsort(pos)
+                plan.patches.append(Patch(entry.name, pos[order].to(torch.int32), vals[order], entry.shape))
+        if self.fingerprints and self.prints is not None and _rank(self.group) == 0:
+            plan.prints = {e.name: self.prints[e.name] + int(c) for e, c in zip(entries, change.tolist())}
         return plan
 
     def sent(self, plan: Plan, prints: dict[str, int] | None = None) -> None:
@@ -204,7 +229,7 @@ class DeltaTracker:
         for name, change in self._pending[1].items():
             if isinstance(change, tuple):
                 pos, vals = change
-                self._held[name].index_copy_(0, pos, vals)
+                self._held[name].index_copy_(0, pos.long(), vals)
             else:
                 self._held[name] = change
         self._held_version = self._version = plan.version
@@ -226,13 +251,6 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t)
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _print_change(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -275,36 +293,42 @@ def _collective_device(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
 
 
-def _gather(local: list, group) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Every rank's (positions, values) per tensor, concatenated by tensor on rank 0 (None elsewhere).
-    One gather of the positions and one of the values (padded to the longest rank's)."""
+def _rank(group) -> int:
+    return torch.distributed.get_rank(group) if _distributed(group) else 0
+
+
+def _gather(entries: list, dtype: torch.dtype, group) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Each tensor's changed elements from every rank — (positions in the whole tensor, int64;
+    values) — on rank 0 ((None, None) elsewhere): one gather a tensor that changed anywhere, padded
+    to the rank with most, through the collective's device one tensor at a time."""
     if not _distributed(group):
-        return [(p, v) for p, v, _ in local]
+        return [(e.positions.long() + e.offset, e.values) for e in entries]
     import torch.distributed as dist
 
     device = _collective_device(group)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    counts = torch.tensor([len(p) for p, _, _ in local], dtype=torch.int64, device=device)
+    counts = torch.tensor([len(e.positions) for e in entries], dtype=torch.int64, device=device)
     all_counts = [torch.empty_like(counts) for _ in range(world)]
     dist.all_gather(all_counts, counts, group=group)
-    width = max(int(c.sum()) for c in all_counts)
-    dtype = local[0][1].dtype if local else torch.float32
-    pos = torch.zeros(width, dtype=torch.int64, device=device)
-    vals = torch.zeros(width, dtype=dtype, device=device)
-    n = int(counts.sum())
-    if n:
-        pos[:n] = torch.cat([p for p, _, _ in local]).to(device)
-        vals[:n] = torch.cat([v for _, v, _ in local]).to(device)
-    pos_list = [torch.empty_like(pos) for _ in range(world)] if rank == 0 else None
-    val_list = [torch.empty_like(vals) for _ in range(world)] if rank == 0 else None
-    dist.gather(pos, pos_list, dst=0, group=group)
-    dist.gather(vals, val_list, dst=0, group=group)
-    if rank != 0:
-        return None
-    out = [([], []) for _ in local]
-    for r in range(world):
-        sizes = all_counts[r].tolist()
-        for i, (p, v) in enumerate(zip(pos_list[r][: sum(sizes)].split(sizes), val_list[r][: sum(sizes)].split(sizes))):
-            out[i][0].append(p)
-            out[i][1].append(v)
-    return [(torch.cat(p), torch.cat(v)) for p, v in out]
+    per_rank = torch.stack(all_counts).cpu()  # [world, tensors]
+    out = []
+    for i, e in enumerate(entries):
+        width = int(per_rank[:, i].max())
+        if width == 0:
+            out.append((torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=dtype)) if rank == 0 else (None, None))
+            continue
+        n = len(e.positions)
+        pos = torch.zeros(width, dtype=torch.int64, device=device)
+        vals = torch.zeros(width, dtype=dtype, device=device)
+        pos[:n] = e.positions.to(device).long() + e.offset
+        vals[:n] = e.values.to(device)
+        pos_list = [torch.empty_like(pos) for _ in range(world)] if rank == 0 else None
+        val_list = [torch.empty_like(vals) for _ in range(world)] if rank == 0 else None
+        dist.gather(pos, pos_list, dst=0, group=group)
+        dist.gather(vals, val_list, dst=0, group=group)
+        if rank != 0:
+            out.append((None, None))
+            continue
+        sizes = per_rank[:, i].tolist()
+        out.append((torch.cat([t[:k] for t, k in zip(pos_list, sizes)]), torch.cat([t[:k] for t, k in zip(val_list, sizes)])))
+    return out

@@ -53,7 +53,8 @@ def _group(host: str, port: int, rank: int, world_size: int, is_master: bool):
     return ProcessGroupGloo(PrefixStore("pace_gloo", store), rank, world_size, TIMEOUT), store
 
 
-def _run_into(future: Future, fn, *args) -> None:
+def run_into(future: Future, fn, *args) -> None:
+    """``fn(*args)``'s result or exception into ``future`` (a thread's target)."""
     try:
         future.set_result(fn(*args))
     except BaseException as exc:  # noqa: BLE001 - the caller gets it
@@ -245,7 +246,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         daemon thread, so that an engine stuck in a failed broadcast does not hold this process's exit."""
         self.client.start_weight_update()
         future: Future = Future()
-        threading.Thread(target=_run_into, args=(future, self.client.update_weights, asdict(info)),
+        threading.Thread(target=run_into, args=(future, self.client.update_weights, asdict(info)),
                          name="pace-gloo-update", daemon=True).start()
         if future.done():  # refused before any broadcast: say so, rather than wait for peers
             future.result()

@@ -131,23 +131,20 @@ class DeltaNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
                                    dtype_names=[str(p.values.dtype).split(".")[-1] for p in patches],
                                    shapes=[list(p.full_shape) for p in patches],
                                    num_updates_list=[int(p.indices.numel()) for p in patches], version=version, base=base)
+        from pace.weights.gloo import run_into
+
         self.client.start_weight_update()
-        future: Future = Future()
-
-        def run():
-            try:
-                future.set_result(self.client.update_weights(asdict(info)))
-            except BaseException as exc:  # noqa: BLE001 - the caller gets it
-                future.set_exception(exc)
-
-        threading.Thread(target=run, name="pace-nccl-patches", daemon=True).start()
+        future: Future = Future()  # the engines receive inside update_weights while rank 0 broadcasts
+        threading.Thread(target=run_into, args=(future, self.client.update_weights, asdict(info)),
+                         name="pace-nccl-patches", daemon=True).start()
         if future.done():
             future.result()
-        stream = torch.cuda.current_stream()
         device = self.model_update_group.device
-        for p in patches:
-            self.model_update_group.broadcast(p.indices.to(device, torch.int32).contiguous(), src=0, stream=stream)
-            self.model_update_group.broadcast(p.values.to(device).contiguous(), src=0, stream=stream)
+        with torch.accelerator.device_index(device.index):  # the group's device, as vLLM's sparse sender
+            stream = torch.cuda.current_stream()
+            for p in patches:
+                self.model_update_group.broadcast(p.indices.to(device, torch.int32).contiguous(), src=0, stream=stream)
+                self.model_update_group.broadcast(p.values.to(device).contiguous(), src=0, stream=stream)
         future.result()
         self.client.finish_weight_update()
         self._post_send_sync()

@@ -109,9 +109,40 @@ def delta_check(plan, before: dict, after: dict) -> dict | None:
             "changed": changed, "total": plan.total, "full": plan.full}
 
 
+def replicated(kind: str) -> None:
+    """A delta sync where each rank holds a copy (HSDP: 2 replicas of 1 shard, fully_shard on a 2-D
+    mesh; or plain tensors, as without FSDP): each element reported once, not once per replica."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from pace.weights.delta import DeltaTracker
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("dense"), dtype=torch.float32)
+    if kind == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tracker = DeltaTracker(model, torch.bfloat16, full_every=0, max_frac=1.0)
+    before = whole_casts(model) if kind == "hsdp" else {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
+    tracker.sent(tracker.plan(1), {n: tensor_fingerprint(t) for n, t in before.items()})
+    ids = torch.randint(0, 127, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    for p in model.parameters():  # the same update on both ranks (no DDP here: the copies must agree)
+        torch.distributed.all_reduce(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    optimizer.step()
+    after = whole_casts(model) if kind == "hsdp" else {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
+    delta = delta_check(tracker.plan(2), before, after)
+    if delta is not None:
+        print("REPLICATED " + json.dumps({"kind": kind, **delta}))
+
+
 if __name__ == "__main__":
     for arch in sys.argv[1:]:  # one launch for several architectures (each prepared on its own)
-        main(arch)
+        replicated(arch) if arch in ("hsdp", "plain") else main(arch)
     from pace.teardown import end_processes
 
     end_processes(0, barrier=torch.distributed.barrier)  # no interpreter finalisation under gloo's threads

@@ -136,8 +136,9 @@ def test_fsdp_config_prepares_the_presets_architectures():
     Accelerate's FSDP2 preparation (fsdp_prepare.py says why not `Accelerator.prepare` itself); each
     decoder layer is its own FSDP unit, one update and one full-tensor gather run, and the weight
     sync's source yields every parameter in full. A delta sync of that update, planned from each
-    rank's shard (the embedding split unevenly), rebuilds the whole bf16 casts bit for bit."""
-    proc = subprocess.run([*torchrun(2), str(ROOT / "tests/integration/fsdp_prepare.py"), "dense", "moe"],
+    rank's shard (the embedding split unevenly), rebuilds the whole bf16 casts bit for bit; so does
+    one where both ranks hold copies (HSDP replicas, plain tensors), each element reported once."""
+    proc = subprocess.run([*torchrun(2), str(ROOT / "tests/integration/fsdp_prepare.py"), "dense", "moe", "hsdp", "plain"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outs = [json.loads(line[len("PREPARED "):]) for line in proc.stdout.splitlines() if line.startswith("PREPARED ")]
@@ -150,6 +151,10 @@ def test_fsdp_config_prepares_the_presets_architectures():
         delta = out["delta"]
         assert not delta["full"] and 0 < delta["changed"] < delta["total"], delta
         assert delta["exact"] and delta["count"] and delta["prints"], delta
+    # each element once where the ranks hold copies: HSDP's replicas of a shard, plain tensors without FSDP
+    copies = [json.loads(line[len("REPLICATED "):]) for line in proc.stdout.splitlines() if line.startswith("REPLICATED ")]
+    assert [c["kind"] for c in copies] == ["hsdp", "plain"]
+    assert all(c["exact"] and c["count"] and c["prints"] and not c["full"] for c in copies), copies
 
 
 @pytest.mark.parametrize("ending", ["destroy", "end_processes"])

@@ -160,3 +160,15 @@ def test_after_a_failed_sync_the_next_is_whole_and_the_baseline_is_the_last_sent
     with torch.no_grad():
         model[1].bias[2] += 1.0
     assert [(p.name, p.indices.tolist()) for p in tracker.plan(4).patches] == [("1.bias", [2])]
+
+
+def test_a_nan_among_the_changes_is_sent_whole():
+    """vLLM's sparse patches mark unchanged elements with NaN and refuse NaN values: a changed
+    value that is NaN (a diverged step the trainer did not skip) goes in a whole sync."""
+    model = _model()
+    tracker = DeltaTracker(model, torch.bfloat16, full_every=0, max_frac=1.0)
+    tracker.sent(tracker.plan(1), None)
+    with torch.no_grad():
+        model[1].bias[0] = float("nan")
+    plan = tracker.plan(2)
+    assert (plan.full, plan.reason, plan.changed) == (True, "nan", 1)
