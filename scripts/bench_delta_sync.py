@@ -73,9 +73,9 @@ def tiny_path(given: str | None = None) -> Path:
 
 
 def random_path(args) -> Path:
-    """A random Qwen3 of the given shape, saved in bfloat16 once (a seeded init: the same every time)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A random Qwen3 of the given shape, saved in bfloat16 once (scripts/smoke_setup.py's seeded
+    writer: the same every time)."""
+    from scripts.smoke_setup import write_model
 
     shape = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=args.intermediate,
                  vocab_size=args.vocab, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -84,13 +84,11 @@ def random_path(args) -> Path:
     if (target / "config.json").exists():
         return target
     print(f"building {target.name} …", file=sys.stderr, flush=True)
-    config = Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    arch = dict(shape, tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6, eos_token_id=1,
+                pad_token_id=0, bos_token_id=None)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    write_model(tmp, arch, args.layers, tiny=True)  # on the CPU
     for f in ("tokenizer.json", "tokenizer_config.json"):  # vLLM loads a tokenizer; ids past it are never sampled
         shutil.copy(tiny_path(args.tiny_model) / f, tmp / f)
     tmp.rename(target)  # whole or not at all

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pace.weights import source
+from pace.weights import fingerprint, source
 
 INDEX_BYTES = 4  # int32 flat indices (vLLM's sparse patches): whole tensors under 2^31 elements
 
@@ -193,7 +193,7 @@ class DeltaTracker:
                 new = cast[pos]
                 nans += torch.isnan(new).sum().cpu()
                 if self.fingerprints:
-                    entry.print_change = _print_change(old[pos], new, pos + offset).cpu()
+                    entry.print_change = fingerprint.change_at(pos + offset, old[pos], new).cpu()
                 entry.positions, entry.values = pos.to(torch.int32).cpu(), new.cpu()
                 small = len(pos) * (INDEX_BYTES + size) < cast.numel() * size
                 pending[name] = (entry.positions, entry.values) if small else _host_copy(cast)
@@ -251,22 +251,6 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t)
     return out
-
-
-def _print_change(old: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The change of a tensor's fingerprint (a 0-d int64 tensor, not read) when the elements at flat
-    ``positions`` go from ``old`` to ``new`` (pace/weights/fingerprint.py: bits as int16, weighted by
-    position)."""
-    from pace.weights.fingerprint import A, P
-
-    def raw(t):
-        r = t.contiguous().reshape(-1)
-        return (r.view(torch.int16) if r.element_size() % 2 == 0 else r.view(torch.uint8)).to(torch.int64)
-
-    per = max(1, old.element_size() // 2)  # int16 words per element (uint8 for one-byte dtypes: 1)
-    words = (positions.to(torch.int64).unsqueeze(1) * per + torch.arange(per, device=positions.device)).reshape(-1)
-    weights = words * A % P + 1
-    return ((raw(new) - raw(old)) * weights).sum(dtype=torch.int64)
 
 
 def _distributed(group) -> bool:

@@ -72,8 +72,7 @@ def _position_weights(device: torch.device) -> torch.Tensor:
 def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
     """Σ_i bits_i · w_i over ``t``'s bytes as int16, a 0-d int64 tensor on ``t``'s device: queued,
     not read (no device sync)."""
-    flat = t.detach().contiguous().reshape(-1)
-    raw = flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.view(torch.uint8)
+    raw = _words(t)
     if raw.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=raw.device)
     w, sums = _position_weights(raw.device), []
@@ -81,6 +80,22 @@ def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
         part = raw[start : start + CHUNK].to(torch.int32)
         sums.append(part.mul_(w[: part.numel()]).sum(dtype=torch.int64))
     return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as the fingerprint reads them: int16 words (uint8 for one-byte dtypes), flat."""
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.view(torch.uint8)
+
+
+def change_at(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """How a tensor's fingerprint changes (a 0-d int64 tensor on their device, not read) when its
+    elements at flat ``positions`` go from ``old`` to ``new`` (pace/weights/delta.py: θ_v's
+    fingerprints from a delta, without a pass over the whole tensor)."""
+    per = max(1, old.element_size() // 2)  # words per element
+    words = (positions.to(torch.int64).unsqueeze(1) * per + torch.arange(per, device=positions.device)).reshape(-1)
+    diff = _words(new).to(torch.int64) - _words(old).to(torch.int64)
+    return (diff * (words * A % P + 1)).sum(dtype=torch.int64)
 
 
 def tensor_fingerprint(t: torch.Tensor) -> int:

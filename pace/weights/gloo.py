@@ -125,7 +125,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             if info.num_updates_list is not None:
                 self._receive_patches(info)
                 return
-            mirror = getattr(self, "mirror", None)
+            mirror = self.mirror
             if mirror is not None:
                 self.mirror_version = None  # until every tensor is in
             for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
@@ -140,7 +140,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def _receive_patches(self, info: GlooUpdateInfo) -> None:
         """Apply the patches of one update to the mirror, then load every tensor from it (the CPU
         engine's packed kernels are rebuilt by the layerwise reload, as after a full update)."""
-        mirror, held = getattr(self, "mirror", None), getattr(self, "mirror_version", None)
+        mirror, held = self.mirror, self.mirror_version
         patches = []  # received in full first: every worker takes part in every broadcast
         for name, dtype_name, n in zip(info.names, info.dtype_names, info.num_updates_list):
             indices = torch.empty(n, dtype=torch.int32)
