@@ -46,6 +46,7 @@ class Output:
     outputs: list
     finished: bool
     prompt_logprobs: list | None = None
+    engine: int | None = None  # the index of the server that produced it (set by RemoteFleet.step)
 
 
 def completion_from(choice: dict) -> Completion:

@@ -237,6 +237,7 @@ class RemoteFleet(RemoteWeightsMixin, Fleet):
                 del self._owner[out.request_id]
                 self._futures.pop(out.request_id, None)
                 self._load[i] -= 1
+            out.engine = i
             outputs.append(out)
         if self._refused:
             raise self._refused[0]
