@@ -109,6 +109,15 @@ class RolloutConfig:
     # a server that dies, stalls or fails its health checks: continue on the others (its requests
     # go to a live one; warning, `rollout/engines_alive`) | stop (checkpoint, the cause named)
     on_engine_failure: str = "continue"
+    # continue: a failed server is started again (one this run started: same flags and GPUs, new port)
+    # or, given by URL, re-admitted once it answers; it rejoins the weight-transfer group at the next
+    # update, caught up with θ whole and checked (pace/rollout/healing.py). At most this many restarts
+    # in the run (0: a failed server stays out), each after restart_backoff_s·2^k (≤ 60 s)
+    max_engine_restarts: int = 3
+    restart_backoff_s: float = 2.0
+    # a drained server (python -m pace.rollout.fleetctl drain): its requests still running this long
+    # after the drain go to the other servers, as a failed server's do
+    drain_timeout_s: float = 300.0
     engine_timeout_s: float = 120.0  # server mode: no output for this long with requests in flight, or an update call (pause, resume, label, check) this long = failed
     # server mode: servers this run starts must answer /health by then; engines built at once on
     # GPUs of their own (child): each build must have spawned its engine core process by then

@@ -27,7 +27,15 @@ from pace.rollout import request_ids
 class FailoverMixin:
     def _check_engines(self) -> bool:
         failures = self.fleet.take_failures()
+        restarts = self.fleet.restarts  # started again (pace/rollout/healing.py), counted by the fleet
+        self.stats["engine_restarts"] += restarts - self._restarts_seen
+        self._restarts_seen = restarts
         for f in failures:
+            if f.drained:
+                print(f"rollout engine {f.index} ({f.url}) drained: {f.cause}; its {len(f.request_ids)} requests sent to "
+                      f"the others", file=sys.stderr, flush=True)
+                self._recover(f.request_ids)
+                continue
             self.stats["engine_failures"] += 1
             alive = len(self.fleet.alive)
             if self.cfg.rollout.on_engine_failure == "stop" or not alive:

@@ -94,6 +94,26 @@ class Fleet(abc.ABC):
         """Seconds each engine spent in weight-update calls, summed over the run ({}: not timed)."""
         return {}
 
+    # --- engines that come back or join (servers: pace/rollout/healing.py) --------------------
+    restarts = 0  # engines started again or re-admitted so far
+
+    def regroup_due(self, admit: bool) -> bool:
+        """At the start of a weight update: whether the weight-transfer group is formed again
+        (``admit``: with the engines ready to join)."""
+        return self.needs_regroup
+
+    def joining(self) -> list[int]:
+        """Engines in the weight-transfer group that take no requests until this update is checked."""
+        return []
+
+    def promote(self, index: int) -> float | None:
+        """Joiner ``index`` was caught up and checked: it takes requests (seconds since it failed or
+        was registered)."""
+        return None
+
+    def fail_engine(self, index: int, cause: str) -> None:
+        raise NotImplementedError
+
     # --- weights (the rollout thread, or the trainer before it starts) ----------------------
     @abc.abstractmethod
     def init_weight_transfer_engine(self, init_info: dict) -> None:

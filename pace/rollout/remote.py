@@ -21,7 +21,12 @@ whose stream breaks or returns a server error, or that produces nothing for
 `rollout.engine_timeout_s` while it has requests and is not paused, has failed: it is taken out of
 the fleet and reported once by `take_failures()` with the requests it held (the rollout thread
 decides what to do with them: pace/rollout/failover.py). The weight-transfer group is then formed
-again without it (`needs_regroup`), at the next update.
+again without it (`needs_regroup`), at the next update. Then it is started again, or re-admitted,
+and servers join and leave a running job: pace/rollout/healing.py.
+
+A server's state: serving (takes requests) → dead → starting → ready → joining (in the
+weight-transfer group for one update, no requests) → serving; serving → draining (no new groups,
+in the group until the next update) → left.
 """
 from __future__ import annotations
 
@@ -30,14 +35,15 @@ import json
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
-from pace.errors import ConfigError, EngineFailed
+from pace.errors import EngineFailed
 from pace.placement import Placement
 from pace.rollout import request_ids
 from pace.rollout.fleet import Fleet
+from pace.rollout.healing import HealingMixin
 from pace.rollout.remote_weights import RemoteWeightsMixin
 from pace.rollout.protocol import GENERATE, Output, completion_from, params_json, prompt_logprobs_from
+from pace.rollout.server_state import DEAD, DRAINING, SERVING, WATCHED, EngineFailure, Server, world_size
 
 HEALTH_INTERVAL_S = 1.0
 HEALTH_MISSES = 3  # consecutive failed /health checks that fail a server
@@ -47,32 +53,11 @@ class RequestRefused(RuntimeError):
     """A server refused a request (HTTP 4xx): a bug in what was sent, not a failed engine."""
 
 
-@dataclass
-class EngineFailure:
-    index: int
-    url: str
-    cause: str
-    request_ids: list = field(default_factory=list)  # the requests it held, filled in by take_failures
-
-
-@dataclass
-class _Server:
-    index: int
-    url: str
-    process: object = None  # a LocalServer this run started, else None
-    alive: bool = True
-    paused: bool = False
-    workers: int = 1  # weight-transfer ranks (TP × PP × DP workers)
-    last_output: float = 0.0
-    sync_s: float = 0.0  # seconds in weight-update calls, summed
-
-
-class RemoteFleet(RemoteWeightsMixin, Fleet):
+class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
     def __init__(self, urls: list[str], tokenizer, device_type: str = "cpu", processes: list | None = None,
-                 engine_timeout_s: float = 120.0):
-        import requests
-
-        self.servers = [_Server(i, u.rstrip("/"), (processes or [None] * len(urls))[i]) for i, u in enumerate(urls)]
+                 engine_timeout_s: float = 120.0, max_restarts: int = 0, restart_backoff_s: float = 2.0,
+                 start_timeout_s: float = 900.0, drain_timeout_s: float = 300.0):
+        self.servers = [Server(i, u.rstrip("/"), (processes or [None] * len(urls))[i]) for i, u in enumerate(urls)]
         self.tokenizer = tokenizer
         self.device_type = device_type
         self.engine_timeout_s = engine_timeout_s
@@ -80,7 +65,13 @@ class RemoteFleet(RemoteWeightsMixin, Fleet):
 
         self._delta = RequestOutputKind.DELTA
         self.version = None
-        self.needs_regroup = False
+        self._lost = False  # a rank of the group failed or left: the group is formed again
+        self._init_info: dict | None = None  # the last group's (a group-less backend's joiners get it too)
+        self._updating = False  # between begin_update and the resume: no weight-transfer engine is released
+        self._fingerprinting = False  # the workers fingerprint their updates (a joiner is switched on too)
+        self.max_restarts, self.restart_backoff_s = max_restarts, restart_backoff_s
+        self.start_timeout_s, self.drain_timeout_s = start_timeout_s, drain_timeout_s
+        self.restarts = 0  # started again or re-admitted, run-wide (rollout.max_engine_restarts)
         self._owner: dict[str, tuple[int, int]] = {}  # request id → (server, serial)
         self._futures: dict[str, object] = {}
         self._group_engine: dict[str, int] = {}
@@ -91,15 +82,8 @@ class RemoteFleet(RemoteWeightsMixin, Fleet):
         self._failures: list[EngineFailure] = []
         self._refused: list[BaseException] = []
         self._closing = False
-        for s in self.servers:  # weight-transfer ranks of each (TP × PP, times DP if it has several)
-            try:
-                r = requests.get(f"{s.url}/get_world_size", params={"include_dp": "true"}, timeout=30)
-                r.raise_for_status()
-            except requests.RequestException as exc:
-                hint = ("it is not started with VLLM_SERVER_DEV_MODE=1 (scripts/launch_rollout_server.sh)"
-                        if isinstance(exc, requests.HTTPError) else "it does not answer")
-                raise ConfigError(f"rollout.servers: {s.url}: {hint} ({type(exc).__name__})") from exc
-            s.workers = int(r.json()["world_size"])
+        for s in self.servers:
+            s.workers = world_size(s.url)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pace-http", daemon=True)
         self._thread.start()
@@ -128,6 +112,11 @@ class RemoteFleet(RemoteWeightsMixin, Fleet):
     def alive(self) -> list[int]:
         return [s.index for s in self.servers if s.alive]
 
+    @property
+    def needs_regroup(self) -> bool:
+        """A rank of the weight-transfer group failed or left (joiners wait for `regroup_due`)."""
+        return self._lost
+
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None) -> None:
         alive = self.alive
@@ -155,7 +144,7 @@ class RemoteFleet(RemoteWeightsMixin, Fleet):
         self._futures[request_id] = asyncio.run_coroutine_threadsafe(
             self._request(server, request_id, self._serial, body, stream), self._loop)
 
-    async def _request(self, server: _Server, rid: str, serial: int, body: dict, stream: bool) -> None:
+    async def _request(self, server: Server, rid: str, serial: int, body: dict, stream: bool) -> None:
         import aiohttp
 
         try:
@@ -249,12 +238,14 @@ class RemoteFleet(RemoteWeightsMixin, Fleet):
         return None
 
     # --- failures -------------------------------------------------------------------------------
-    async def _watch(self, server: _Server) -> None:
+    async def _watch(self, server: Server) -> None:
         import aiohttp
 
         misses = 0
-        while server.alive and not self._closing:
+        while server.state in WATCHED and not self._closing:
             await asyncio.sleep(HEALTH_INTERVAL_S)
+            if server.state not in WATCHED:
+                return  # failed or left meanwhile (a revival watches it anew)
             if server.process is not None and server.process.exit_code() is not None:
                 self._fail(server, f"its process exited with code {server.process.exit_code()}")
                 return
@@ -268,28 +259,34 @@ class RemoteFleet(RemoteWeightsMixin, Fleet):
                 self._fail(server, f"/health failed {misses} times in a row")
                 return
             silent = time.monotonic() - server.last_output
-            if self._load[server.index] > 0 and not server.paused and silent > self.engine_timeout_s:
+            if self._load[server.index] > 0 and not server.paused and silent > self.engine_timeout_s \
+                    and server.state in (SERVING, DRAINING):
                 self._fail(server, f"no output for {silent:.0f} s with {self._load[server.index]} requests in flight "
                                    f"(rollout.engine_timeout_s={self.engine_timeout_s:g})")
                 return
 
-    def _fail(self, server: _Server, cause: str) -> None:
-        """Take ``server`` out of the fleet (any thread); reported by `take_failures`."""
+    def _fail(self, server: Server, cause: str) -> None:
+        """Take ``server`` out of the fleet (any thread); reported by `take_failures`, then started
+        again or re-admitted (pace/rollout/healing.py) unless it was leaving or the budget is spent."""
         with self._lock:
-            if not server.alive or self._closing:
+            if server.state not in WATCHED or self._closing:
                 return
-            server.alive = False
-            self.needs_regroup = True
+            if server.in_group:
+                self._lost = True
+            server.state, server.since = DEAD, time.monotonic()
             self._failures.append(EngineFailure(server.index, server.url, cause))
-        if server.process is not None:  # one this run started: it does not come back half-alive
-            threading.Thread(target=server.process.kill, daemon=True).start()
+        if server.leaving or not self.max_restarts:
+            if server.process is not None:  # one this run started: it does not come back half-alive
+                threading.Thread(target=server.process.kill, daemon=True).start()
+        else:
+            asyncio.run_coroutine_threadsafe(self._revive(server, cause), self._loop)
         self._out.put(None)
 
-    def wait_failed(self, alive_before: set[int], timeout: float = 5.0) -> _Server | None:
+    def wait_failed(self, alive_before: set[int], timeout: float = 5.0) -> Server | None:
         """A server of ``alive_before`` found failed within ``timeout`` s (the health checks' time), or None."""
         deadline = time.monotonic() + timeout
         while True:
-            failed = [s for s in self.servers if s.index in alive_before and not s.alive]
+            failed = [s for s in self.servers if s.index in alive_before and not s.in_group]
             if failed or time.monotonic() > deadline:
                 return failed[0] if failed else None
             time.sleep(0.1)
@@ -318,7 +315,7 @@ class RemoteFleet(RemoteWeightsMixin, Fleet):
         self._futures.clear()
         self._owner.clear()
         for s in self.servers:
-            if s.process is None and s.alive and s.paused:
+            if s.process is None and s.in_group and s.paused:
                 try:
                     self._post(s, "/resume", timeout=5)
                 except Exception:  # noqa: BLE001 - best effort: the server is not ours
@@ -346,7 +343,9 @@ def build(model_path: str, cfg, placement: Placement, tokenizer, log_dir: str | 
         processes = server.launch_local(model_path, cfg, placement, Path(log_dir or ".") / "engines")
         urls = [p.url for p in processes]
     try:
-        fleet = RemoteFleet(urls, tokenizer, placement.device, processes, cfg.rollout.engine_timeout_s)
+        r = cfg.rollout
+        fleet = RemoteFleet(urls, tokenizer, placement.device, processes, r.engine_timeout_s, r.max_engine_restarts,
+                            r.restart_backoff_s, r.server_start_timeout_s, r.drain_timeout_s)
     except BaseException:
         for p in processes or []:
             p.kill()

@@ -6,15 +6,19 @@ Each update: `/pause?mode=keep` (requests in flight keep their KV), vLLM's `HTTP
 (`/start_weight_update`, `/update_weights` while trainer rank 0 broadcasts, `/finish_weight_update`),
 the reload checks of pace/weights/reload.py and the weight fingerprints of pace/weights/fingerprint.py through
 `/collective_rpc`, the version label through `/update_weight_version`, `/resume`. Every call goes
-to every live server at once: the broadcast is a collective over the trainer and every server's
-workers.
+to every server in the weight-transfer group at once (those serving, a joiner being caught up, a
+draining one: pace/rollout/healing.py): the broadcast is a collective over the trainer and every
+server's workers.
 """
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pace.errors import EngineFailed
+from pace.rollout.server_state import JOINING, LEFT, READY
 
 WEIGHT_CALL_TIMEOUT_S = 1800.0  # the transfer calls wait for the broadcast (gloo's own timeout is 30 min)
 # The other calls (pause, resume, the version label, the reload check) return in seconds; one that takes
@@ -31,7 +35,7 @@ class RemoteWeightsMixin:
         before the broadcast). A refused call (HTTP 4xx) raises EngineFailed naming the server."""
         import requests
 
-        servers = [s for s in self.servers if s.alive]
+        servers = [s for s in self.servers if s.in_group]
 
         def timed(s):
             t0 = time.perf_counter()
@@ -72,21 +76,48 @@ class RemoteWeightsMixin:
         return HTTPVLLMWeightSyncClient(s.url, timeout=timeout)
 
     def transfer_workers(self) -> int:
-        """Weight-transfer ranks of the live servers."""
-        return sum(s.workers for s in self.servers if s.alive)
+        """Weight-transfer ranks of the servers in the group."""
+        return sum(s.workers for s in self.servers if s.in_group)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """Every live server joins the weight-transfer group; with ranks (NCCL, gloo), server s's
-        workers after those of the servers before it (pace/rollout/fleet.py)."""
+        """Every server in the group joins the weight-transfer group; with ranks (NCCL, gloo), server
+        s's workers after those of the servers before it (pace/rollout/fleet.py). A group formed
+        again: the servers that left release theirs, and, outside an update, so do the others
+        (vLLM's `init_weight_transfer_engine` replaces an engine without closing it)."""
+        self._init_info = dict(init_info)
+        self._release_engines()
+        group = [s for s in self.servers if s.in_group]
         infos, offset = {}, init_info.get("rank_offset")
+        for s in group:
+            infos[s.index] = dict(init_info)
+            if offset is not None:
+                infos[s.index]["rank_offset"] = offset
+                offset += s.workers
+        quiet = not self._updating
+        for s in group:  # a worker in the rendezvous does not step: no output is not a stall
+            s.paused = True
+        try:
+            self._each(lambda s: self._client(s).init_weight_transfer_engine(infos[s.index]), "init_weight_transfer_engine")
+        finally:
+            for s in group:
+                s.grouped = True
+                if quiet:
+                    s.paused, s.last_output = False, time.monotonic()
+        self._lost = False
+
+    def _release_engines(self) -> None:
         for s in self.servers:
-            if s.alive:
-                infos[s.index] = dict(init_info)
-                if offset is not None:
-                    infos[s.index]["rank_offset"] = offset
-                    offset += s.workers
-        self._each(lambda s: self._client(s).init_weight_transfer_engine(infos[s.index]), "init_weight_transfer_engine")
-        self.needs_regroup = False
+            if s.state == LEFT and s.grouped:  # drained: it goes (a server this run started is stopped)
+                s.grouped = False
+                try:
+                    self._release(s)
+                except Exception:  # noqa: BLE001 - it leaves either way
+                    pass
+                if s.process is not None:
+                    threading.Thread(target=s.process.kill, daemon=True).start()
+                print(f"rollout engine {s.index} ({s.url}) left the fleet", file=sys.stderr, flush=True)
+        if not self._updating:
+            self._each(lambda s: self._release(s) if s.grouped else None, "shutdown_weight_transfer_engine")
 
     def begin_update(self) -> None:
         def begin(s):
@@ -94,11 +125,30 @@ class RemoteWeightsMixin:
             self._post(s, "/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=self.engine_timeout_s)
             self._client(s, self.engine_timeout_s).start_weight_update()
 
+        self._admit_groupless()
+        self._updating = True
         try:
             self._each(begin, "start_weight_update")
         except BaseException:
             self._resume()
             raise
+
+    def _admit_groupless(self) -> None:
+        """A backend without a group (shm: a file each server reads): a ready server joins at any
+        update, with the engine the others have."""
+        if self._init_info is None or "world_size" in self._init_info:
+            return  # nccl, gloo: admitted when the group is formed again (regroup_due)
+        for s in [s for s in self.servers if s.state == READY]:
+            try:
+                self._client(s, self.engine_timeout_s).init_weight_transfer_engine(self._init_info)
+                if self._fingerprinting:
+                    self._post(s, "/collective_rpc", {"method": "pace_fingerprint_updates"}, timeout=self.engine_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - it failed, not the update
+                self._fail(s, f"init_weight_transfer_engine: {type(exc).__name__}")
+                continue
+            with self._lock:
+                if s.state == READY:
+                    s.state, s.grouped = JOINING, True
 
     def load(self, update_info: dict) -> None:
         self._each(lambda s: self._client(s).update_weights(update_info), "update_weights")
@@ -107,7 +157,17 @@ class RemoteWeightsMixin:
         self._each(lambda s: self._client(s).finish_weight_update(), "finish_weight_update")
 
     def _update_failures(self) -> list:
-        return self._rpc("pace_weight_update_failure", "the reload check")
+        """The reload checks of the servers in service; a joiner whose check failed is failed
+        (brought back again: pace/rollout/healing.py), not the update."""
+        joining = set(self.joining())
+        failures = []
+        for i, found in self._rpc_by_server("pace_weight_update_failure", "the reload check").items():
+            found = [f for f in found if f]
+            if i in joining and found:
+                self._fail(self.servers[i], f"its catch-up update did not load: {found[0]}")
+            else:
+                failures += found
+        return failures
 
     def _resume(self) -> None:
         def resume(s):
@@ -115,20 +175,37 @@ class RemoteWeightsMixin:
             s.paused = False
             s.last_output = time.monotonic()
 
-        self._each(resume, "resume")
+        try:
+            self._each(resume, "resume")
+        finally:
+            self._updating = False
+
+    def _rpc_by_server(self, method: str, what: str) -> dict[int, list]:
+        """``method`` of pace/weights/transfer.py's `WorkerExtension` on the workers of every server in
+        the group: each answering server's results, by its index."""
+        out = {}
+
+        def call(s):
+            out[s.index] = (self._post(s, "/collective_rpc", {"method": method}, timeout=self.engine_timeout_s) or {}
+                            ).get("results", [])
+
+        self._each(call, what)
+        return out
 
     def _rpc(self, method: str, what: str) -> list:
-        """``method`` of pace/weights/transfer.py's `WorkerExtension` on every live server's workers."""
-        results = self._each(lambda s: self._post(s, "/collective_rpc", {"method": method}, timeout=self.engine_timeout_s),
-                             what)
-        return [r for result in results for r in (result or {}).get("results", [])]
+        return [r for results in self._rpc_by_server(method, what).values() for r in results]
 
     def fingerprint_updates(self) -> None:
+        self._fingerprinting = True
         self._rpc("pace_fingerprint_updates", "the fingerprint switch")
 
     def fingerprints(self) -> list:
-        """Each live server's workers' fingerprints of their last update (pace/weights/fingerprint.py)."""
+        """Each server's workers' fingerprints of their last update (pace/weights/fingerprint.py)."""
         return self._rpc("pace_weight_fingerprint", "the weight fingerprints")
+
+    def fingerprints_by_engine(self) -> dict[int, list]:
+        """`fingerprints`, by server index (a joiner is judged on its own: pace/rollout/worker.py)."""
+        return self._rpc_by_server("pace_weight_fingerprint", "the weight fingerprints")
 
     def set_version(self, version: int) -> None:
         self._each(lambda s: self._post(s, "/update_weight_version", {"new_version": str(version)},

@@ -86,12 +86,31 @@ class LocalServer:
     def __init__(self, args: list[str], env: dict, log_path: Path, port: int):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self.args, self.env = list(args), env
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, *args], env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.log_path.with_suffix(".pid").write_text(f"{self.proc.pid}\n")  # its process group, for an operator
+
+    def respawn(self) -> "LocalServer":
+        """The same server started again (same flags, seed, GPUs and log, appended to) on a new port
+        (no half-closed socket of the dead one in the way). Call after `kill`."""
+        port = free_port()
+        args = list(self.args)
+        args[args.index("--port") + 1] = str(port)
+        return LocalServer(args, self.env, self.log_path, port)
+
+    def gone(self) -> bool:
+        """Whether every process of its group has exited (the engine core too: its memory is free)."""
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
     def exit_code(self) -> int | None:
         return self.proc.poll()

@@ -98,7 +98,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
                       "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0,
                       "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0,
-                      "orphaned_responses": 0, "weights_checked": 0}
+                      "orphaned_responses": 0, "weights_checked": 0, "engine_restarts": 0, "engine_joins": 0}
         # rescore pooled prefixes after each update for policies that ask for the PFS (PACE, and any
         # policy under pool.record_effective: pace/pool/recording.py)
         self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
@@ -106,6 +106,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._rescore_started: float | None = None
         self._last = (time.perf_counter(), dict(self.stats))  # (time, stats) at the last metrics() call
         self._sync_last: dict[int, float] = {}  # the fleet's sync_seconds() at the last metrics() call
+        self._restarts_seen = 0  # the fleet's restarts counted in stats
+        self._join_s: list[float] = []  # seconds to serve of the engines that joined since the last metrics()
         self.val_sets = val_sets if cfg.eval.every > 0 else None
         self.final_version = cfg.trainer.steps
         self.val_results: queue.Queue[ValResult] = queue.Queue()
@@ -236,7 +238,10 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         if not now:
             return {}
         self._sync_last = now
-        return {"rollout/engines_alive": len(self.fleet.alive)} | {
+        joins, self._join_s = self._join_s, []
+        return {"rollout/engines_alive": len(self.fleet.alive), "rollout/engine_restarts": self.stats["engine_restarts"],
+                # seconds from its failure (or registration) to serving again, of the last engine that joined
+                "rollout/engine_join_s": joins[-1] if joins else float("nan")} | {
             f"rollout/sync_s/engine{i}": sec - last.get(i, 0.0) for i, sec in now.items()}
 
     def _tool_metrics(self, s: dict, last: dict) -> dict:
@@ -354,14 +359,32 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         """After the weights of ``version`` loaded and were labelled: rescore, validate if due."""
         self.stats["syncs"] += 1
         self.engine_version = version
+        joining = self.fleet.joining()
         if self.sent_weights is not None and self.sent_weights.expects(version) and self.stale is None:
-            self.stale = self.sent_weights.judge(version, self.fleet.fingerprints())  # the loop stops on it
+            self.stale = self._judge(version, joining)  # the loop stops on it
             self.stats["weights_checked"] += 1
+        for i in joining:  # caught up (and checked, if fingerprinted): it takes requests from here on
+            seconds = self.fleet.promote(i)
+            if seconds is not None:
+                self.stats["engine_joins"] += 1
+                self._join_s.append(seconds)
         if self.fleet.in_process:
             self.fleet.reset_prefix_cache_if_idle()  # old entries are unreachable (salted); free them
         if self.prefix_tokens:
             self._start_rescoring()
         self._maybe_validate(weights)
+
+    def _judge(self, version: int, joining: list[int]):
+        """The engines' fingerprints of θ_version against the trainer's; a joiner is judged on its own
+        and failed (brought back again), not the run, if its catch-up update did not take."""
+        if not joining:
+            return self.sent_weights.judge(version, self.fleet.fingerprints())
+        prints = self.fleet.fingerprints_by_engine()
+        for i in joining:
+            stale = self.sent_weights.judge(version, prints.pop(i, []))
+            if stale is not None:
+                self.fleet.fail_engine(i, f"its catch-up update is not θ_{version}: {stale}")
+        return self.sent_weights.judge(version, [p for found in prints.values() for p in found])
 
     def _abort_all(self) -> None:
         # nothing lost silently: every unfinished response not waiting for its program has a request

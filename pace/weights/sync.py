@@ -144,10 +144,10 @@ class WeightSync:
                 self.sender.client.post_update(self._update)
         else:
             if self.sender.is_sender:
-                self._regroup()
+                self._regroup(admit=True)  # servers ready to join come in here, before the engines pause
                 # may wait for a validation; send_weights' start_weight_update is then a no-op
                 self.sender.client.start(WeightUpdate(version))
-                self._regroup()  # a server lost while the update started
+                self._regroup(admit=False)  # a server lost while the update started
             self.barrier()
             fleet = None if self.rollout is None else self.rollout.fleet
             known = set() if fleet is None else set(fleet.alive)
@@ -189,9 +189,10 @@ class WeightSync:
         if sent is not None and plan.prints is not None and self.backend == "gloo":
             sent.expect(plan.version, plan.prints)
 
-    def _regroup(self) -> None:
-        """Server mode, rank 0: after a server failed, the group is formed again by the live ones."""
-        if self.rollout is not None and self.rollout.fleet.needs_regroup:
+    def _regroup(self, admit: bool) -> None:
+        """Server mode, rank 0: after a server failed or left, the group is formed again without it;
+        ``admit`` (the engines not yet paused): with the servers ready to join (pace/rollout/healing.py)."""
+        if self.rollout is not None and self.rollout.fleet.regroup_due(admit):
             self.sender.shutdown()
             self.sender = self._connect(0)
 

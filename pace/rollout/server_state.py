@@ -1,0 +1,71 @@
+"""One rollout server of a `RemoteFleet` (pace/rollout/remote.py) as the fleet tracks it: its state,
+and what a failure reports.
+
+    serving ──fail──▶ dead ──revive──▶ starting ──up──▶ ready ──next update──▶ joining ──checked──▶ serving
+    serving ──drain──▶ draining ──requests done, next update──▶ left
+
+serving: takes requests. starting: started again, or probed (pace/rollout/healing.py). ready: up,
+waiting for the next weight update. joining: in the weight-transfer group for the update that catches
+it up, no requests. draining: no new groups, still in the group. dead: out, not coming back (the
+restart budget is spent, or it was leaving). left: drained and gone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pace.errors import ConfigError
+
+SERVING, STARTING, READY, JOINING, DRAINING, DEAD, LEFT = (
+    "serving", "starting", "ready", "joining", "draining", "dead", "left")
+WATCHED = (SERVING, READY, JOINING, DRAINING)  # states whose health is checked
+
+
+@dataclass
+class EngineFailure:
+    index: int
+    url: str
+    cause: str
+    request_ids: list = field(default_factory=list)  # the requests it held, filled in by take_failures
+    drained: bool = False  # not a failure: a draining server's requests moved at rollout.drain_timeout_s
+
+
+@dataclass
+class Server:
+    index: int
+    url: str
+    process: object = None  # a LocalServer this run started, else None
+    state: str = SERVING
+    paused: bool = False
+    workers: int = 1  # weight-transfer ranks (TP × PP × DP workers)
+    last_output: float = 0.0
+    sync_s: float = 0.0  # seconds in weight-update calls, summed
+    restarts: int = 0  # times started again (or re-admitted)
+    since: float = 0.0  # when it failed, or was registered: its join time counts from here
+    grouped: bool = False  # holds a weight-transfer engine of this run's trainer (released before a new one)
+    leaving: bool = False  # draining: not started again if it fails
+    drained: bool = False  # its requests finished (or moved): it leaves at the next update
+
+    @property
+    def alive(self) -> bool:
+        """Takes requests."""
+        return self.state == SERVING
+
+    @property
+    def in_group(self) -> bool:
+        """A rank of the weight-transfer group: every weight call goes to it."""
+        return self.state in (SERVING, JOINING, DRAINING)
+
+
+def world_size(url: str) -> int:
+    """A server's weight-transfer ranks (TP × PP, times DP if it has several); ConfigError if it
+    cannot say."""
+    import requests
+
+    try:
+        r = requests.get(f"{url}/get_world_size", params={"include_dp": "true"}, timeout=30)
+        r.raise_for_status()
+    except requests.RequestException as exc:
+        hint = ("it is not started with VLLM_SERVER_DEV_MODE=1 (scripts/launch_rollout_server.sh)"
+                if isinstance(exc, requests.HTTPError) else "it does not answer")
+        raise ConfigError(f"rollout.servers: {url}: {hint} ({type(exc).__name__})") from exc
+    return int(r.json()["world_size"])
