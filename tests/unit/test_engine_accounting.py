@@ -137,3 +137,12 @@ def test_per_engine_mismatch_is_summed_over_micro_batches_with_different_engines
     # the totals still count every on-policy token, the several-engine response's too
     assert sums["tokens"] == 7 and sums["abs_logp_diff"] == pytest.approx(0.2 + 0.4 + 0.2 + 2.0, abs=1e-5)
     assert engine_metrics(mismatch(logp_a, a["logp_behavior"], on_a)) == {}  # no engines given: no per-engine keys
+
+
+def test_a_response_kept_across_a_restart_is_no_single_engines():
+    from pace.rollout.resuming import ResumingMixin
+
+    worker = SimpleNamespace(stats={"resumed_tokens": 0})
+    t = Trajectory([1, 2], [-0.1, -0.2], [0, 0], engine=1)
+    ResumingMixin._keep(worker, t)  # its tokens so far came from an engine of the earlier process
+    assert (t.engine, t.resumed, worker.stats["resumed_tokens"]) == (-1, 2, 2)
