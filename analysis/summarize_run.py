@@ -46,6 +46,9 @@ def summarize(run_dir: str, window: int = 20) -> bool:
         print(f"weight syncs: {len(synced)} ({int(whole.sum())} whole, {int((~whole).sum())} patches)   MB a sync: whole "
               f"{synced.loc[whole, 'sync/bytes'].mean() / 1e6:.3f}, patches {synced.loc[~whole, 'sync/bytes'].mean() / 1e6:.3f}"
               f"   changed fraction {frac.mean():.4f}   engines paused {s['sync/pause_s'].mean() if 'sync/pause_s' in s else float('nan'):.3f} s a step")
+    fleet = fleet_line(s, run.summary)
+    if fleet:
+        print(fleet)
     ok = True
     if not g.empty:
         consumed = g[g.fate == "consumed"]
@@ -85,6 +88,31 @@ def summarize(run_dir: str, window: int = 20) -> bool:
         print(f"fates: {fates}  sum {total} == submitted {fates['submitted']} == rows {len(g)}{note}: {'ok' if acct else 'FAILED'}")
         ok &= acct
     return ok
+
+
+def fleet_line(s, summary: dict) -> str | None:
+    """The rollout fleet over the run (runs that log `rollout/engines_alive`): engines failed, restarted
+    and joined, the fewest and most serving, how long a join took (from a server's failure, or its
+    registration, to serving again), the tokens lost to failovers, and each engine's largest on-policy
+    mismatch (`mismatch/abs_logp_diff/engine<i>`: at the float floor from its first request when the
+    engine rejoined with the trainer's weights)."""
+    if "rollout/engines_alive" not in s:
+        return None
+    rollout = summary.get("rollout", {})
+    alive = s["rollout/engines_alive"].dropna()
+    restarts = s["rollout/engine_restarts"].dropna() if "rollout/engine_restarts" in s else alive.iloc[:0]
+    joins = s["rollout/engine_join_s"].dropna() if "rollout/engine_join_s" in s else alive.iloc[:0]
+    line = (f"fleet: {rollout.get('engine_failures', 0)} engine failures, "
+            f"{int(restarts.iloc[-1]) if len(restarts) else 0} restarts, {len(joins)} joins")
+    if len(joins):
+        line += f" (median {joins.median():.1f} s, max {joins.max():.1f} s)"
+    line += (f"   engines alive {int(alive.min())}-{int(alive.max())}"
+             f"   failover lost tokens {rollout.get('failover_lost_tokens', 0)}")
+    engines = sorted((k for k in s if k.startswith("mismatch/abs_logp_diff/engine")),
+                     key=lambda k: int(k.rsplit("engine", 1)[1]))
+    if engines:
+        line += "   on-policy mismatch max " + ", ".join(f"{k.rsplit('/', 1)[1]} {s[k].max():.1e}" for k in engines)
+    return line
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ def group_schema():
         ("lengths", pa.list_(i)), ("num_tokens", i), ("versions_spanned", i),
         ("num_actions", i), ("tool_calls", pa.list_(i)), ("tool_errors", i),
         ("completed_at", pa.list_(i)), ("version_spans", pa.list_(pa.list_(i))), ("resumed_tokens", pa.list_(i)),
+        ("engine", pa.list_(i)),
     ])
 
 
@@ -72,6 +73,8 @@ def group_row(group: Group) -> dict:
         "version_spans": spans,
         # per response: tokens kept from a checkpoint and continued after a restart (0: generated in one go)
         "resumed_tokens": [t.resumed for t in trajs],
+        # per response: the rollout engine that served all of it (−1: several, or unknown)
+        "engine": [t.engine for t in trajs],
     }
     complete = len(trajs) == len(group.trajectories) and trajs and all(t.completed_at >= 0 for t in trajs)
     if complete:

@@ -45,15 +45,20 @@ class Trajectory:
     did not choose. ``action_mask[t]`` is False for those (their log-prob and version entries are
     placeholders): they are masked out of the loss and left out of the staleness averages
     (docs/design.md §2 averages over model-generated tokens). None: every token is an action.
+
+    ``engine`` is the index of the rollout engine that served every turn of the response, or −1
+    when several did (a response continued elsewhere after its engine failed, or kept across a
+    restart) or none is known: the trainer's per-engine mismatch (`mismatch/abs_logp_diff/engine<i>`)
+    counts only responses served wholly by one engine.
     """
 
     __slots__ = ("_tok", "_n", "_masked", "_stream", "completed_at", "finish_reason", "correct", "reward",
-                 "advantage", "tool_calls", "tool_errors", "resumed")
+                 "advantage", "tool_calls", "tool_errors", "resumed", "engine")
     FLUSH = 256  # streamed tokens held in Python lists before they move into the array
 
     def __init__(self, response_ids=(), logprobs=(), versions=(), completed_at: int = -1, finish_reason: str = "",
                  correct: bool = False, reward: float = 0.0, advantage: float = 0.0, action_mask=None,
-                 tool_calls: int = 0, tool_errors: int = 0, resumed: int = 0):
+                 tool_calls: int = 0, tool_errors: int = 0, resumed: int = 0, engine: int = -1):
         n = len(response_ids)
         if len(logprobs) != n or len(versions) != n or (action_mask is not None and len(action_mask) != n):
             raise ValueError(f"a trajectory needs one log-prob, version (and action flag) per token: {n} tokens, "
@@ -72,6 +77,12 @@ class Trajectory:
         self.tool_calls = tool_calls  # multi-turn: programs run for this response
         self.tool_errors = tool_errors  # of which did not succeed (error, timeout, killed, no program)
         self.resumed = resumed  # tokens kept from a checkpoint and continued after a restart (0: none)
+        self.engine = -1 if engine is None else engine  # the engine that served every turn; −1: several, or unknown
+
+    def served_by(self, engine: int | None) -> None:
+        """An output of ``engine`` (None: unknown) was appended: a second engine makes it −1, for good."""
+        if engine is None or engine != self.engine:
+            self.engine = -1
 
     # --- growth (the rollout thread) ----------------------------------------------------------
     def extend(self, ids, logprobs, version, action: bool = True) -> None:
@@ -177,7 +188,8 @@ class Trajectory:
                                action_mask=state.pop("action_mask", None))
             state.pop("text", None)
             state |= {"_tok": fresh._tok, "_n": fresh._n, "_masked": fresh._masked}
-        state = {"_stream": None, "resumed": 0} | state  # (resumed: absent before in-flight resume)
+        # (resumed: absent before in-flight resume; engine: before per-engine accounting)
+        state = {"_stream": None, "resumed": 0, "engine": -1} | state
         for name, value in state.items():
             setattr(self, name, value)
 

@@ -88,12 +88,37 @@ def on_policy_tokens(versions: torch.Tensor, first_versions: torch.Tensor, versi
     return ((versions == version) & (first_versions == version)).to(mask.dtype) * mask
 
 
-def mismatch(logp: torch.Tensor, logp_behavior: torch.Tensor, on_policy: torch.Tensor) -> dict[str, float]:
+def mismatch(logp: torch.Tensor, logp_behavior: torch.Tensor, on_policy: torch.Tensor,
+             engines: torch.Tensor | None = None, n_engines: int = 0) -> dict[str, float]:
     """Sums over the on-policy tokens (``on_policy`` 0/1: `on_policy_tokens`, tokens the engine
     generated wholly with the weights the trainer holds) of |log π − log μ| and of the k3 estimator of KL(μ ‖ π),
     k3 = ρ − 1 − log ρ with ρ = π/μ (≥ 0; unbiased under samples from μ). Divided by ``tokens`` by
-    the caller once summed over micro-batches and ranks."""
+    the caller once summed over micro-batches and ranks.
+
+    With ``engines`` ([T]: the engine that served each token's response, −1: several or unknown),
+    also ``tokens/engine<i>`` and ``abs_logp_diff/engine<i>`` for every engine i < ``n_engines``,
+    zero where this micro-batch has none of its tokens: every rank then sums the same keys
+    (`engine_metrics` turns the totals into metrics)."""
     d = (logp.detach() - logp_behavior).clamp(-BOUND, BOUND).to(torch.float64)
     m = on_policy.to(torch.float64)
-    return {"tokens": float(m.sum()), "abs_logp_diff": float((d.abs() * m).sum()),
-            "k3_kl": float(((torch.expm1(d) - d) * m).sum())}
+    out = {"tokens": float(m.sum()), "abs_logp_diff": float((d.abs() * m).sum()),
+           "k3_kl": float(((torch.expm1(d) - d) * m).sum())}
+    if engines is not None and n_engines > 0:
+        slot = engines.to(torch.long) + 1  # slot 0 holds the tokens of no single engine (−1)
+        tokens = torch.zeros(n_engines + 1, dtype=torch.float64, device=m.device).index_add_(0, slot, m)
+        diffs = torch.zeros(n_engines + 1, dtype=torch.float64, device=m.device).index_add_(0, slot, d.abs() * m)
+        for i, (n, s) in enumerate(zip(tokens[1:].tolist(), diffs[1:].tolist())):
+            out[f"tokens/engine{i}"], out[f"abs_logp_diff/engine{i}"] = n, s
+    return out
+
+
+def engine_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """``mismatch/abs_logp_diff/engine<i>`` (per on-policy token) and ``mismatch/tokens/engine<i>``
+    of every engine with on-policy tokens, from the sums of `mismatch` over micro-batches and ranks."""
+    out = {}
+    for key, n in sums.items():
+        if key.startswith("tokens/engine") and n > 0:
+            engine = key[len("tokens/"):]
+            out[f"mismatch/abs_logp_diff/{engine}"] = sums[f"abs_logp_diff/{engine}"] / n
+            out[f"mismatch/tokens/{engine}"] = int(n)
+    return out

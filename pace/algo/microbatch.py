@@ -111,7 +111,8 @@ def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = Fa
     Position p predicts token p+1, so response token t of a sequence with prompt length n_p is
     scored by the hidden state at n_p − 1 + t: ``index`` holds those positions in the flattened
     [R·L] layout. ``targets``, ``loss_mask`` (the action mask), ``logp_behavior``, ``advantages``,
-    ``versions`` (v_t) and ``seq_ids`` (the sequence of each token, 0..``n_seqs``−1) are aligned
+    ``versions`` (v_t), ``engines`` (the engine that served each token's response, −1: several or
+    unknown) and ``seq_ids`` (the sequence of each token, 0..``n_seqs``−1) are aligned
     with ``index``; ``pad_tokens``/``slots`` count the padding.
     """
     seqs = [np.concatenate([np.asarray(p, dtype=np.int64), t.response_ids.astype(np.int64)]) for p, t in zip(prompts, trajs)]
@@ -146,6 +147,8 @@ def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = Fa
         "first_versions": torch.from_numpy(np.repeat(np.array([int(t.versions[0]) if len(t.versions) else -1
                                                                for t in trajs], dtype=np.int64), n_resp)),
         "seq_ids": torch.from_numpy(np.repeat(np.arange(len(trajs)), n_resp)),
+        # each token's response's engine (−1: several, or unknown): the per-engine mismatch
+        "engines": torch.from_numpy(np.repeat(np.array([t.engine for t in trajs], dtype=np.int64), n_resp)),
         "n_seqs": torch.tensor(len(trajs)),
         "pad_tokens": torch.tensor(float(input_ids.size - lengths.sum())),
         "slots": torch.tensor(float(input_ids.size)),

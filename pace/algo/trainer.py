@@ -93,7 +93,9 @@ class DAPOTrainer:
     # --- one training step ----------------------------------------------------------------
     def step(self, batch: Batch | None) -> dict[str, float]:
         """Train on ``batch`` (given on rank 0, None elsewhere). Returns rank-0 metrics."""
-        plans = self._scatter(batch)  # per mini-batch, this rank's micro-batches of (prompt, trajectory) pairs
+        # per mini-batch, this rank's micro-batches of (prompt, trajectory) pairs; the engines to
+        # measure the mismatch of (0 .. n_engines − 1: the batch's highest engine index + 1)
+        plans, n_engines = self._scatter(batch)
         t0 = time.perf_counter()
         n_mini = self.cfg.trainer.mini_batches
         prox = self._proximal_logprobs(plans) if self.proximal else None
@@ -103,7 +105,7 @@ class DAPOTrainer:
         for m, micro_batches in enumerate(plans):
             # train–inference mismatch on the weights of this version: every token of the proximal
             # pass, or the first mini-batch's forwards (later ones run on updated weights)
-            stats = self._update(micro_batches, prox, measure=self.proximal or m == 0)
+            stats = self._update(micro_batches, prox, measure=self.proximal or m == 0, n_engines=n_engines)
             if "m2po" in stats:
                 m2po_stats.append(stats.pop("m2po"))
             for k, v in stats.items():
@@ -127,6 +129,7 @@ class DAPOTrainer:
         if totals["mm_tokens"]:
             out["mismatch/abs_logp_diff"] = totals["mm_abs_logp_diff"] / totals["mm_tokens"]
             out["mismatch/k3_kl"] = totals["mm_k3_kl"] / totals["mm_tokens"]
+            out |= correction.engine_metrics({k[3:]: v for k, v in totals.items() if k.startswith("mm_")})
         if self.cfg.algo.name != "m2po" and self.cfg.algo.is_correction != "none":
             out["mismatch/masked_frac"] = totals["masked"] / tokens
             out["mismatch/truncated_frac"] = totals["truncated"] / tokens
@@ -143,13 +146,15 @@ class DAPOTrainer:
             out["m2po/trust_region_frac"] = sum(s["trust_region"] for s in m2po_stats) / tokens
         return out
 
-    def _scatter(self, batch: Batch | None) -> list[list[list[Pair]]]:
+    def _scatter(self, batch: Batch | None) -> tuple[list[list[list[Pair]]], int]:
         """Rank 0 splits each mini-batch over the ranks and into micro-batches (microbatch.plan)
-        and sends every rank only its own (`scatter_object_list`)."""
+        and sends every rank only its own (`scatter_object_list`), with the number of engine
+        indices the batch's responses name (every rank sums the mismatch of as many engines)."""
         t = self.cfg.trainer
         n_mini, n_rank = t.mini_batches, self.acc.num_processes
         per_rank = None
         if self.acc.is_main_process:
+            n_engines = 1 + max((tr.engine for g in batch.groups for tr in g.trajectories), default=-1)
             groups = [(g.prompt_ids, g.trajectories) for g in batch.groups]
             per_mini = math.ceil(len(groups) / n_mini)
             per_rank = [[] for _ in range(n_rank)]
@@ -159,6 +164,7 @@ class DAPOTrainer:
                                        max_tokens=t.max_tokens_per_micro_batch, packed=t.packing)
                 for r in range(n_rank):
                     per_rank[r].append([[pairs[i] for i in mb] for mb in plan[r]])
+            per_rank = [(plans, n_engines) for plans in per_rank]
         if n_rank == 1:
             return per_rank[0]
         box = [None]
@@ -205,8 +211,9 @@ class DAPOTrainer:
         return min((pair for mb in micro_batches for pair in mb), key=lambda pair: len(pair[0]) + len(pair[1]))
 
     def _update(self, micro_batches: list[list[Pair]], prox: dict[int, torch.Tensor] | None,
-                measure: bool = False) -> dict[str, float]:
-        """One optimizer update on this rank's micro-batches of a mini-batch."""
+                measure: bool = False, n_engines: int = 0) -> dict[str, float]:
+        """One optimizer update on this rank's micro-batches of a mini-batch; with ``measure``, the
+        mismatch of its on-policy tokens, in all and for each engine below ``n_engines``."""
         local_tokens = torch.tensor(float(sum(t.num_actions for mb in micro_batches for _, t in mb)), device=self.acc.device)
         total_tokens = self.acc.reduce(local_tokens, reduction="sum").item()
         # DDP/FSDP average gradients over ranks; scale so the result is Σ_tokens / total_tokens.
@@ -214,6 +221,9 @@ class DAPOTrainer:
         decision, m2po_stats = self._m2po_decide(micro_batches) if self.cfg.algo.name == "m2po" else (None, None)
         keys = ("loss", "clipped", "tokens", "entropy", "ratio", "masked", "truncated", "pad_tokens", "slots",
                 "mm_tokens", "mm_abs_logp_diff", "mm_k3_kl")
+        # the same keys on every rank (they are summed as one vector): each engine's, even where
+        # this rank's share has none of its responses
+        keys += tuple(f"mm_{k}/engine{i}" for i in range(n_engines) for k in ("tokens", "abs_logp_diff"))
         stats = dict.fromkeys(keys, 0.0)
         for i, mb in enumerate(micro_batches):
             # Every rank runs as many micro-batches (microbatch.equalize); an empty one is a pass at
@@ -243,7 +253,8 @@ class DAPOTrainer:
             stats["slots"] += b["slots"].item()
             if measure:
                 on_policy = correction.on_policy_tokens(b["versions"], b["first_versions"], self.version, mask)
-                mm = correction.mismatch(b["logp_prox"] if prox is not None else logp, b["logp_behavior"], on_policy)
+                mm = correction.mismatch(b["logp_prox"] if prox is not None else logp, b["logp_behavior"], on_policy,
+                                         b["engines"], n_engines)
                 for k, v in mm.items():
                     stats[f"mm_{k}"] += v
         grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip))

@@ -63,7 +63,8 @@ class Fleet(abc.ABC):
 
     @abc.abstractmethod
     def step(self, timeout: float = 0.01) -> list:
-        """The outputs the engines produced since the last call (vLLM `RequestOutput`s, DELTA)."""
+        """The outputs the engines produced since the last call (vLLM `RequestOutput`s, DELTA), each
+        with ``engine``: the index of the engine that produced it (per-engine accounting)."""
 
     @abc.abstractmethod
     def partial_versions(self, request_id: str, n: int):
@@ -258,6 +259,7 @@ class EngineFleet(Fleet):
                 if out.finished:
                     if self._owner.pop(out.request_id, None) is not None:
                         self._load[i] -= 1
+                out.engine = i  # (a plain attribute of vLLM's `RequestOutput`, as `Output.engine` of a server's)
                 outputs.append(out)
         return outputs
 

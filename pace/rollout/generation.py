@@ -8,7 +8,8 @@ version set with each update), and when a request finishes its spans replace the
 an in-process engine the two must agree exactly (checked); an out-of-process engine core runs
 ahead of what the rollout thread has read, so there the spans are the record. A response that
 finishes gets c(τ) = the trainer's version at that moment; a group whose G responses are done is
-graded (process pool, non-blocking) and then pooled.
+graded (process pool, non-blocking) and then pooled. Each response records the engine that served
+it (`Trajectory.engine`, from the fleet's `engine` on each output; −1 once a second one served it).
 """
 from __future__ import annotations
 
@@ -102,7 +103,9 @@ class GenerationMixin:
             pending = self._pending[gid]
             traj = pending.responses.get(idx)
             if traj is None:
-                traj = pending.responses[idx] = Trajectory()
+                traj = pending.responses[idx] = Trajectory(engine=out.engine)
+            else:
+                traj.served_by(out.engine)
             tool_call = False
             for comp in out.outputs:  # this step's new tokens (delta outputs), appended as one chunk
                 traj.extend(comp.token_ids, [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs)], version)

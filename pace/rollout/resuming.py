@@ -117,6 +117,7 @@ class ResumingMixin:
 
     def _keep(self, traj) -> None:
         traj.resumed = len(traj)
+        traj.engine = -1  # its kept tokens came from an engine of the earlier process
         self.stats["resumed_tokens"] += len(traj)
 
     def _cut_partial_stop(self, pending, idx: int) -> None:

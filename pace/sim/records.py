@@ -103,6 +103,7 @@ def group_columns(groups: list[SimGroup]) -> dict[str, list]:
             "completed_at": grp.done_at.tolist() if complete else [],
             "version_spans": grp.spans if complete else [],
             "resumed_tokens": [0] * len(lengths),  # the simulator has no restarts
+            "engine": [-1] * len(lengths),  # nor engine indices
         }
         for name in _COLUMNS:
             cols[name].append(add[name])
@@ -112,4 +113,4 @@ def group_columns(groups: list[SimGroup]) -> dict[str, list]:
 _COLUMNS = ("id", "prompt_id", "fate", "reason", "step", "submitted_at", "c", "k", "k_gen", "k_wait", "pfs", "u",
             "s_eff", "score", "rho", "budget", "pfs_version", "reward_mean", "reward_std", "acc_mean", "len_mean",
             "len_max", "lengths", "num_tokens", "versions_spanned", "num_actions", "tool_calls", "tool_errors",
-            "completed_at", "version_spans", "resumed_tokens")
+            "completed_at", "version_spans", "resumed_tokens", "engine")

@@ -11,7 +11,8 @@ token-budget plans give ranks different needs and a rank runs an empty (zero-wei
 Prints, from rank 0, the number of processes Accelerate sees, each step's metrics as JSON, and a
 checksum of the weights after the steps: loss, pre-clip gradient norm, learning rate and weights
 must not depend on N or on the layout (the loss is normalised by the token count of the whole
-mini-batch across ranks; the LR schedule steps once per update).
+mini-batch across ranks; the LR schedule steps once per update), nor must the per-engine mismatch
+(every rank sums every engine's keys, also those of engines its share has no response of).
 
 FSDP2 on CPU: `Accelerator.prepare` chooses FSDP only on accelerators (Accelerate 1.15 keeps
 MULTI_CPU, i.e. DDP, for a CPU run), so the FSDP layouts set the plugin of conf/accelerate/fsdp.yaml
@@ -56,7 +57,10 @@ def batch() -> list[Group]:
             n = 40 if (g, i) == (1, 3) else 5 + 3 * i + g  # different lengths: token-level normalisation matters
             resp = torch.randint(3, 60, (n,), generator=gen).tolist()
             lp = (-torch.rand(n, generator=gen) * 3).tolist()
-            trajs.append(Trajectory(resp, lp, [0] * n, 0, "stop", advantage=[1.5, -0.5, 0.5, -1.5][i]))
+            # served by engines 0-2, one by several (-1): ranks get different engines' responses (the
+            # mismatch is measured on the first mini-batch, group 0)
+            engine = [[0, 1, 2, -1], [1, 0, 1, 2]][g][i]
+            trajs.append(Trajectory(resp, lp, [0] * n, 0, "stop", advantage=[1.5, -0.5, 0.5, -1.5][i], engine=engine))
         groups.append(Group(g, f"p{g}", torch.randint(3, 60, (6,), generator=gen).tolist(), "0", 0, trajs))
     return groups
 

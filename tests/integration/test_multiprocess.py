@@ -61,12 +61,21 @@ def test_updates_do_not_depend_on_the_number_of_processes_or_the_micro_batch_lay
             for key in keys:
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (name, key)
             assert b["train/lr"] == pytest.approx(a["train/lr"], rel=1e-9), name  # once per update, not once per process
+            mismatch = sorted(k for k in a if k.startswith("mismatch/"))  # overall and per engine (step 0)
+            assert sorted(k for k in b if k.startswith("mismatch/")) == mismatch, name
+            for key in mismatch:
+                assert b[key] == pytest.approx(a[key], rel=1e-4), (name, key)
         assert checksum == pytest.approx(one_w[base], rel=1e-6, abs=1e-6), name
     m2po = one["m2po_count"][0]
     assert 0 < m2po["m2po/masked_frac"] < m2po["m2po/trust_region_frac"] < 1, m2po  # a partial mask: the case can fail
     assert m2po["train/loss"] != pytest.approx(ref[0]["train/loss"], rel=1e-3)
     assert all(empty[k] >= 1 for k in ["tokens", "packed", *FSDP_LAYOUTS]), empty  # the zero-weight pass ran
     assert two["packed"][0]["train/pad_frac"] == 0.0 and two["count"][0]["train/pad_frac"] > 0
+    # step 0 is on policy: engines 0, 1, 2 measured apart; the response of several engines only in the total
+    first = ref[0]
+    per_engine = [first[f"mismatch/tokens/engine{i}"] for i in range(3)]
+    assert all(n > 0 for n in per_engine) and "mismatch/tokens/engine3" not in first
+    assert 0 < first["mismatch/tokens"] - sum(per_engine) < first["mismatch/tokens"]
 
 
 def _run(args: list[str], n: int = 2, timeout: int = 600, cwd=ROOT, script: str = "train.py", env=None):

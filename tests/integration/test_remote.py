@@ -91,9 +91,17 @@ def test_a_run_on_two_servers(preset, servers, tiny_model_path, tmp_path):
         assert sum(m[f"rollout/sync_s/engine{e}"] for m in metrics) > 0
     # every sync judged, θ_0's at the start included: each server's fingerprints (over HTTP) were the sent ones
     assert summary["rollout"]["weights_checked"] == summary["rollout"]["syncs"]
+    assert {e for engines in groups.engine for e in engines} == {0, 1}  # each response served by one server
     if preset == "pace_tiny":
         assert summary["rollout"]["rescored"] > 0  # PACE's prefix scoring ran on the servers
         return
+    # each server's on-policy tokens at the float floor (float32). An async run has them at step 0
+    # only (later, every consumed token is stale), measured on its first mini-batch: maybe one server's
+    per_engine = [(k, v) for m in metrics for k, v in m.items() if k.startswith("mismatch/abs_logp_diff/engine")]
+    assert per_engine and all(v < 1e-5 for _, v in per_engine), per_engine
+    assert {k.rsplit("/", 1)[1] for k, _ in per_engine} <= {"engine0", "engine1"}
+    for m in metrics:  # every on-policy token of a response served by one server, counted as that server's
+        assert sum(m.get(f"mismatch/tokens/engine{e}", 0) for e in range(2)) == m["mismatch/tokens"], m
     versions = {requests.get(u + "/weight_info", timeout=10).json()["weight_version"] for u in urls}
     version = summary["rollout"]["syncs"] - 1  # θ_0 at the start, then one per update
     assert versions == {str(version)}, versions

@@ -263,3 +263,40 @@ def test_every_setting_the_report_names_composes():
     assert settings  # the captions do name some
     for setting in sorted(settings):
         compose_cfg([setting])
+
+
+def _run_dir(tmp_path, rows: list[dict], summary: dict):
+    import json
+
+    d = tmp_path / "run"
+    (d / "groups").mkdir(parents=True)
+    base = {"time/step": 1.0, "train/reward_mean": 0.0, "train/acc_mean": 0.5}
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **base, **r}) + "\n" for i, r in enumerate(rows)))
+    (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+def test_summarize_prints_the_fleet_line_of_a_run_whose_engine_failed_and_rejoined(tmp_path, capsys):
+    """Two servers, one killed after step 1, restarted and joined at step 3 (12.5 s), a new one
+    joined at step 4 (3.5 s); the rejoined engine's mismatch from its first measured step."""
+    from analysis.summarize_run import summarize
+
+    nan = float("nan")
+    rows = [
+        {"rollout/engines_alive": 2, "rollout/engine_restarts": 0, "mismatch/abs_logp_diff/engine0": 4e-7,
+         "mismatch/abs_logp_diff/engine1": 3e-7},
+        {"rollout/engines_alive": 1, "rollout/engine_restarts": 0, "rollout/engine_join_s": nan,
+         "mismatch/abs_logp_diff/engine0": 5e-7},
+        {"rollout/engines_alive": 1, "rollout/engine_restarts": 1},
+        {"rollout/engines_alive": 2, "rollout/engine_restarts": 1, "rollout/engine_join_s": 12.5,
+         "mismatch/abs_logp_diff/engine1": 6e-7},
+        {"rollout/engines_alive": 3, "rollout/engine_restarts": 1, "rollout/engine_join_s": 3.5},
+    ]
+    run = _run_dir(tmp_path, rows, {"status": "finished", "rollout": {"engine_failures": 1, "failover_lost_tokens": 17}})
+    summarize(str(run))
+    fleet = [line for line in capsys.readouterr().out.splitlines() if line.startswith("fleet:")]
+    assert fleet == ["fleet: 1 engine failures, 1 restarts, 2 joins (median 8.0 s, max 12.5 s)   engines alive 1-3"
+                     "   failover lost tokens 17   on-policy mismatch max engine0 5.0e-07, engine1 6.0e-07"]
+    # a run without a fleet of servers prints no fleet line
+    summarize(str(_run_dir(tmp_path / "plain", [{}], {"status": "finished"})))
+    assert "fleet:" not in capsys.readouterr().out
