@@ -109,6 +109,14 @@ class RolloutConfig:
     # a server that dies, stalls or fails its health checks: continue on the others (its requests
     # go to a live one; warning, `rollout/engines_alive`) | stop (checkpoint, the cause named)
     on_engine_failure: str = "continue"
+    # server mode: rank 0's HTTP control endpoint (pace/rollout/control.py), through which servers join the
+    # running fleet and leave it (`python -m pace.rollout.fleetctl`, docs/gpu.md "A fleet that heals and
+    # grows"); its URL is written to <run dir>/fleet.json. 0: a free port; null: no endpoint.
+    control_port: Optional[int] = 0
+    # The address it listens on (null: the one the servers reach rank 0 at, as `transfer_address`:
+    # 127.0.0.1 when every server is on this host). No authentication: whoever reaches it can add or drain
+    # servers (a joining server is sent the weights), so bind it to the cluster's network, as the servers' ports
+    control_host: Optional[str] = None
     engine_timeout_s: float = 120.0  # server mode: no output for this long with requests in flight, or an update call (pause, resume, label, check) this long = failed
     # server mode: servers this run starts must answer /health by then; engines built at once on
     # GPUs of their own (child): each build must have spawned its engine core process by then

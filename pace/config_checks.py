@@ -159,6 +159,8 @@ def validate(cfg: DictConfig) -> None:
                           f"got {cfg.rollout.full_sync_every}")
     if cfg.rollout.delta_max_frac is not None and not 0 < cfg.rollout.delta_max_frac <= 1:
         raise ConfigError(f"rollout.delta_max_frac must be in (0, 1] or null, got {cfg.rollout.delta_max_frac}")
+    if cfg.rollout.control_port is not None and not 0 <= cfg.rollout.control_port <= 65535:
+        raise ConfigError(f"rollout.control_port must be a TCP port (0: a free one) or null, got {cfg.rollout.control_port}")
     if cfg.rollout.engine_timeout_s <= 0:
         raise ConfigError(f"rollout.engine_timeout_s must be > 0, got {cfg.rollout.engine_timeout_s}")
 
