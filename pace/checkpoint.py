@@ -56,6 +56,7 @@ RESUMABLE = (
     "trainer.device_memory_gib",
     "rollout.weight_delta", "rollout.full_sync_every", "rollout.delta_max_frac",  # how θ travels, not what it is
     "rollout.max_engine_restarts", "rollout.restart_backoff_s", "rollout.drain_timeout_s",  # how the fleet heals
+    "rollout.control_port", "rollout.control_host",  # how an operator reaches the fleet
 )
 
 

@@ -118,6 +118,14 @@ class RolloutConfig:
     # a drained server (python -m pace.rollout.fleetctl drain): its requests still running this long
     # after the drain go to the other servers, as a failed server's do
     drain_timeout_s: float = 300.0
+    # server mode: rank 0's HTTP control endpoint (pace/rollout/control.py), through which servers join the
+    # running fleet and leave it (`python -m pace.rollout.fleetctl`, docs/gpu.md "A fleet that heals and
+    # grows"); its URL is written to <run dir>/fleet.json. 0: a free port; null: no endpoint.
+    control_port: Optional[int] = 0
+    # server mode: the address the control endpoint listens on (null: the one the servers reach rank 0 at,
+    # as `transfer_address`: 127.0.0.1 when every server is on this host). No authentication: whoever
+    # reaches it can add or drain servers (a joining server is sent the weights); 0.0.0.0 on a trusted network only
+    control_host: Optional[str] = None
     engine_timeout_s: float = 120.0  # server mode: no output for this long with requests in flight, or an update call (pause, resume, label, check) this long = failed
     # server mode: servers this run starts must answer /health by then; engines built at once on
     # GPUs of their own (child): each build must have spawned its engine core process by then

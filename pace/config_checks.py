@@ -164,6 +164,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ("restart_backoff_s", "drain_timeout_s"):
         if cfg.rollout[key] < 0:
             raise ConfigError(f"rollout.{key} must be >= 0, got {cfg.rollout[key]}")
+    if cfg.rollout.control_port is not None and not 0 <= cfg.rollout.control_port <= 65535:
+        raise ConfigError(f"rollout.control_port must be a TCP port (0: a free one) or null, got {cfg.rollout.control_port}")
     if cfg.rollout.engine_timeout_s <= 0:
         raise ConfigError(f"rollout.engine_timeout_s must be > 0, got {cfg.rollout.engine_timeout_s}")
 
