@@ -141,7 +141,7 @@ class HealingMixin:
             if self._closing or server.state != STARTING:
                 return
             server.state, server.grouped, server.paused = READY, False, False
-        _say(f"rollout engine {server.index} ({server.url}) {what}: it joins at the next weight update")
+        _say(f"rollout engine {server.index} ({server.url}) {what} at θ_{self.version}: it joins at the next weight update")
         asyncio.ensure_future(self._watch(server))
 
     # --- growth (any thread: the control endpoint, tests) ---------------------------------

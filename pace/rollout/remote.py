@@ -72,6 +72,7 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
         self.max_restarts, self.restart_backoff_s = max_restarts, restart_backoff_s
         self.start_timeout_s, self.drain_timeout_s = start_timeout_s, drain_timeout_s
         self.restarts = 0  # started again or re-admitted, run-wide (rollout.max_engine_restarts)
+        self.control = None  # rank 0's control endpoint (pace/rollout/control.py), set by `build`
         self._owner: dict[str, tuple[int, int]] = {}  # request id → (server, serial)
         self._futures: dict[str, object] = {}
         self._group_engine: dict[str, int] = {}
@@ -310,6 +311,8 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the client; stop the servers this run started (others keep running, resumed)."""
         self._closing = True
+        if self.control is not None:  # before the loop's tasks are cancelled: it runs on the loop
+            self.control.stop()
         for f in [*self._watchers, *self._futures.values()]:
             f.cancel()
         self._futures.clear()
@@ -351,4 +354,11 @@ def build(model_path: str, cfg, placement: Placement, tokenizer, log_dir: str | 
             p.kill()
         raise
     fleet.set_version(version)
+    from pace.rollout import control
+
+    try:
+        fleet.control = control.serve(fleet, cfg, log_dir)  # None when rollout.control_port is null
+    except BaseException:
+        fleet.shutdown()
+        raise
     return fleet

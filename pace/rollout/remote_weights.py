@@ -81,9 +81,10 @@ class RemoteWeightsMixin:
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         """Every server in the group joins the weight-transfer group; with ranks (NCCL, gloo), server
-        s's workers after those of the servers before it (pace/rollout/fleet.py). A group formed
-        again: the servers that left release theirs, and, outside an update, so do the others
-        (vLLM's `init_weight_transfer_engine` replaces an engine without closing it)."""
+        s's workers after those of the servers before it (pace/rollout/fleet.py). The servers that
+        left release their engine; outside an update so do the others first, of an earlier group or
+        an earlier run (vLLM's `init_weight_transfer_engine` replaces an engine without closing it:
+        on a GPU, an NCCL communicator per regroup)."""
         self._init_info = dict(init_info)
         self._release_engines()
         group = [s for s in self.servers if s.in_group]
@@ -116,8 +117,8 @@ class RemoteWeightsMixin:
                 if s.process is not None:
                     threading.Thread(target=s.process.kill, daemon=True).start()
                 print(f"rollout engine {s.index} ({s.url}) left the fleet", file=sys.stderr, flush=True)
-        if not self._updating:
-            self._each(lambda s: self._release(s) if s.grouped else None, "shutdown_weight_transfer_engine")
+        if not self._updating:  # a server may hold one of an earlier group, or of an earlier run
+            self._each(self._release, "shutdown_weight_transfer_engine")
 
     def begin_update(self) -> None:
         def begin(s):

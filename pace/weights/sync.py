@@ -63,6 +63,7 @@ class WeightSync:
                                       cfg.rollout.delta_max_frac, fingerprints=cfg.trainer.sync_fingerprint)
         self.plan = None  # the last sync's plan (delta.Plan; rollout.weight_delta), logged as sync/*
         self._full_prints: dict | None = None  # rank 0: the fingerprints of the last full pass sent
+        self._due = False  # rank 0: the group is formed again at the next publish (decided when it was planned)
         if self.backend == transfer.BACKEND:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
             self.sender = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
@@ -111,8 +112,13 @@ class WeightSync:
         self._sending = version  # what the source's passes send from here on (its fingerprints' version)
         self._update = self.sender.write(version) if self.backend == transfer.BACKEND else None
         self._version = version
-        # delta: planned while the engines serve (every rank; the changed elements gathered to rank 0)
-        self.plan = self.delta.plan(version) if self.delta is not None else None
+        # delta: planned while the engines serve (every rank; the changed elements gathered to rank 0),
+        # whole when the group is formed again at this update (a server joins or was lost: rank 0 decides)
+        self.plan = None
+        if self.delta is not None:
+            if self.decide(self._regroup_due(admit=True)):
+                self.delta.reset()
+            self.plan = self.delta.plan(version)
         if self._update is not None:
             self._written = self._update
 
@@ -144,7 +150,9 @@ class WeightSync:
                 self.sender.client.post_update(self._update)
         else:
             if self.sender.is_sender:
-                self._regroup(admit=True)  # servers ready to join come in here, before the engines pause
+                # servers ready to join come in here, before the engines pause (delta: when it was planned,
+                # so that the plan is whole and logged so)
+                self._regroup(admit=self.delta is None)
                 # may wait for a validation; send_weights' start_weight_update is then a no-op
                 self.sender.client.start(WeightUpdate(version))
                 self._regroup(admit=False)  # a server lost while the update started
@@ -189,12 +197,20 @@ class WeightSync:
         if sent is not None and plan.prints is not None and self.backend == "gloo":
             sent.expect(plan.version, plan.prints)
 
-    def _regroup(self, admit: bool) -> None:
-        """Server mode, rank 0: after a server failed or left, the group is formed again without it;
-        ``admit`` (the engines not yet paused): with the servers ready to join (pace/rollout/healing.py)."""
+    def _regroup_due(self, admit: bool) -> bool:
+        """Rank 0, server mode: whether the group is formed again at this update (a server failed or
+        left; ``admit``: a server is ready to join, and joins now: pace/rollout/healing.py)."""
         if self.rollout is not None and self.rollout.fleet.regroup_due(admit):
+            self._due = True
+        return self._due
+
+    def _regroup(self, admit: bool) -> None:
+        """Server mode, rank 0: the group formed again, without the servers that failed or left and
+        (``admit``, the engines not yet paused) with those ready to join."""
+        if self._regroup_due(admit):
             self.sender.shutdown()
             self.sender = self._connect(0)
+            self._due = False
 
     def metrics(self) -> dict:
         """The last sync's `sync/*` (rollout.weight_delta): whether it sent θ whole, its bytes to each

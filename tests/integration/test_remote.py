@@ -115,39 +115,85 @@ def test_a_run_on_two_servers(preset, servers, tiny_model_path, tmp_path):
         assert _server_logprobs(url, ids) == pytest.approx(trainer, abs=2e-4), url
 
 
-def test_a_killed_server_the_run_goes_on_with_the_other(tiny_model_path, tmp_path):
-    """`train.py` starts two servers; one is killed mid-run: the run finishes 8 steps on the other,
-    the killed server's requests continue there, the fates add up and Lemma 1 holds; its servers
-    are gone after it."""
-    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", *SMALL, "trainer.steps=8", "rollout.engines=2",
-           "rollout.on_engine_failure=continue", "rollout.sync_every=4", f"hydra.run.dir={tmp_path}",
+def _fleet(run_dir) -> list[dict]:
+    """The run's servers as its control endpoint describes them (pace/rollout/control.py)."""
+    url = json.loads((run_dir / "fleet.json").read_text())["control"]
+    return requests.get(url + "/fleet", timeout=10).json()["servers"]
+
+
+def _when_generating(proc, run_dir, engine: int, timeout: float = 300) -> None:
+    """Until server ``engine`` holds requests (a sync run: it generates, no weight update is under way:
+    a kill in a broadcast stops any run, README)."""
+    deadline = time.monotonic() + timeout
+    while not any(s["index"] == engine and s["state"] == "serving" and s["requests"] > 0 for s in _fleet(run_dir)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_server_is_started_again_and_rejoins_caught_up(tiny_model_path, tmp_path):
+    """`train.py` starts two servers; one is SIGKILLed while it generates: its requests go to the
+    other, it is started again, joins at the next weight update, caught up with θ whole, and serves
+    from there with the trainer's weights (its on-policy mismatch at the float floor from its first
+    step back); killed again, the restart budget is spent and the run finishes on the other. Lemma 1
+    holds and the fates add up; its servers are gone after it."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=sync_tiny", *SMALL, "trainer.steps=90", "rollout.engines=2",
+           "rollout.max_engine_restarts=1", "rollout.restart_backoff_s=0.5", f"hydra.run.dir={tmp_path}",
+           "rollout.weight_delta=true", "rollout.delta_max_frac=1.0",  # float32: ~all elements change a step
            "logger.progress=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file = tmp_path / "engines" / "engine1.pid"
     try:
-        # after step 1 (θ_2); the next weight sync is θ_4's, two steps away: the kill cannot land in a
-        # broadcast, which would stop the run (README), and the group is formed again before it
-        wait_for_rows(proc, tmp_path, 2)
-        pids = [int((tmp_path / "engines" / f"engine{e}.pid").read_text()) for e in range(2)]
-        os.killpg(pids[1], signal.SIGKILL)
+        wait_for_rows(proc, tmp_path, 3)
+        first = int(pid_file.read_text())
+        _when_generating(proc, tmp_path, 1)
+        os.killpg(first, signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while not sum(1 for m in _rows(tmp_path) if m.get("mismatch/tokens/engine1", 0) > 0 and
+                      m["rollout/engine_restarts"] == 1) >= 2:  # back, and served two steps
+            assert proc.poll() is None and time.monotonic() < deadline, "engine 1 did not serve again: " + \
+                proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        second = int(pid_file.read_text())
+        _when_generating(proc, tmp_path, 1)
+        os.killpg(second, signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-4000:]
-    assert "warning: rollout engine 1 (http://127.0.0.1:" in err
+    assert second != first
+    assert re.search(r"rollout engine 1 \(http://127.0.0.1:\d+\) started again \(restart 1 of at most 1\) at θ_\d+", err), err[-3000:]
+    assert "restart budget spent (rollout.max_engine_restarts=1" in err, err[-3000:]
     summary, metrics, groups = _read(tmp_path)
-    assert (summary["status"], summary["steps"]) == ("finished", 8)
-    assert summary["rollout"]["engine_failures"] == 1
-    assert [m["rollout/engines_alive"] for m in metrics][:2] == [2, 2] and metrics[-1]["rollout/engines_alive"] == 1
+    assert (summary["status"], summary["steps"]) == ("finished", 90)
+    assert summary["rollout"]["engine_failures"] == 2 and summary["rollout"]["engine_restarts"] == 1
+    assert summary["rollout"]["engine_joins"] == 1
+    alive = [m["rollout/engines_alive"] for m in metrics]
+    assert [a for i, a in enumerate(alive) if i == 0 or a != alive[i - 1]] == [2, 1, 2, 1], alive
+    joined = [i for i, m in enumerate(metrics) if m["rollout/engine_join_s"] == m["rollout/engine_join_s"]]
+    assert len(joined) == 1 and metrics[joined[0]]["rollout/engine_join_s"] > 0
+    # the update it joined at sent θ whole (a delta would find nothing to patch: DeltaMismatch), the
+    # next ones deltas again, to it too (each fingerprint-checked on every worker)
+    assert metrics[joined[0] - 1]["sync/full"] == 1 and metrics[joined[0]]["sync/full"] == 0
+    # from its first step back its tokens are on policy and match the trainer's log-probs (float32)
+    back = next(m for m in metrics[joined[0]:] if m.get("mismatch/tokens/engine1", 0) > 0)
+    assert metrics.index(back) <= joined[0] + 1, "engine 1 took no request in the step after it joined"
+    assert back["mismatch/abs_logp_diff/engine1"] < 1e-5, back["mismatch/abs_logp_diff/engine1"]
+    assert max(m.get("mismatch/abs_logp_diff/engine1", 0.0) for m in metrics) < 1e-5
+    assert summary["rollout"]["weights_checked"] == summary["rollout"]["syncs"] > 0
     check_staleness(groups)
     _check_fates(summary, groups)
-    lost = int(re.search(r"its (\d+) requests sent to them", err).group(1))
-    assert lost > 0 and summary["rollout"]["failover_requests"] == lost
+    moved = [int(n) for n in re.findall(r"its (\d+) requests sent to them", err)]
+    assert len(moved) == 2 and summary["rollout"]["failover_requests"] == sum(moved)
     # none of the killed server's requests was left behind: at the end every unfinished response
-    # still had a request in the live engine
+    # still had a request in a live engine
     assert summary["rollout"]["orphaned_responses"] == 0
     time.sleep(1)
-    for pid in pids:  # the run stopped the servers it started (engine 0) and the killed one is gone
-        with pytest.raises(ProcessLookupError):
+    for pid in (first, second, int((tmp_path / "engines" / "engine0.pid").read_text())):
+        with pytest.raises(ProcessLookupError):  # the run stopped its servers; the killed ones are gone
             os.killpg(pid, 0)
 
 
