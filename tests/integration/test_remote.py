@@ -197,6 +197,58 @@ def test_a_killed_server_is_started_again_and_rejoins_caught_up(tiny_model_path,
             os.killpg(pid, 0)
 
 
+def _fleetctl(*args) -> str:
+    out = subprocess.run([sys.executable, "-m", "pace.rollout.fleetctl", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_server_joins_a_running_job_and_drains_out(servers, tmp_path):
+    """A run on the module's first server; the second joins by the documented command once the run is
+    going: it is caught up at the first update after it answers and serves from there (its first step
+    at the float floor), then drains out at the next update with nothing dropped, left running and
+    resumed (a URL server is not the run's). (Before the stop test, which kills the second server.)"""
+    urls = [s.url for s in servers]
+    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=sync_tiny", *SMALL, "trainer.steps=40",
+           f"rollout.servers=[{urls[0]}]", f"hydra.run.dir={tmp_path}", "logger.progress=false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_rows(proc, tmp_path, 2)
+        _fleetctl("join", urls[1], "--run-dir", str(tmp_path))
+        deadline = time.monotonic() + 120
+        while sum(1 for m in _rows(tmp_path) if m.get("mismatch/tokens/engine1", 0) > 0) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        _fleetctl("drain", urls[1], "--run-dir", str(tmp_path))
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    ready = re.search(r"rollout engine 1 \(.*\) answers at θ_(\d+): it joins", err)
+    caught_up = re.search(r"rollout engine 1 \(.*\) serves again: caught up with θ_(\d+)", err)
+    assert ready and caught_up and int(caught_up.group(1)) <= int(ready.group(1)) + 1, err[-3000:]  # sync_every=1
+    assert "rollout engine 1 (" in err and "draining" in err and "left the fleet" in err, err[-3000:]
+    summary, metrics, groups = _read(tmp_path)
+    assert (summary["status"], summary["steps"]) == ("finished", 40)
+    assert summary["rollout"]["engine_failures"] == 0 and summary["rollout"]["engine_joins"] == 1
+    alive = [m["rollout/engines_alive"] for m in metrics]
+    assert [a for i, a in enumerate(alive) if i == 0 or a != alive[i - 1]] == [1, 2, 1], alive
+    served = [m for m in metrics if m.get("mismatch/tokens/engine1", 0) > 0]
+    assert served and max(m["mismatch/abs_logp_diff/engine1"] for m in served) < 1e-5
+    check_staleness(groups)
+    _check_fates(summary, groups)
+    assert summary["rollout"]["orphaned_responses"] == 0 and summary["fates"]["dropped_shutdown"] == 0
+    assert summary["rollout"]["failover_lost_tokens"] == 0  # its requests finished before it left
+    # a server given by URL is not the run's: left running, resumed
+    assert requests.get(urls[1] + "/health", timeout=10).status_code == 200
+    assert requests.get(urls[1] + "/is_paused", timeout=10).json()["is_paused"] is False
+    rate = lambda rows: sum(m["rollout/tokens_per_s"] for m in rows) / max(len(rows), 1)  # noqa: E731
+    first, last = alive.index(2), len(alive) - 1 - alive[::-1].index(2)
+    print(f"tokens/s: one server {rate(metrics[1:first]):.0f}, two {rate(metrics[first:last + 1]):.0f}, "
+          f"one again {rate(metrics[last + 1:]):.0f}")
+
+
 def test_a_killed_server_stops_the_run_with_a_checkpoint(servers, tmp_path):
     """`rollout.on_engine_failure=stop`: the run stops within 30 s of the kill, naming the engine
     in one line, with a checkpoint. (Kills the module's second server: the last test here. No weight
