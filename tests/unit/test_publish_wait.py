@@ -68,6 +68,7 @@ def _rank(rank: int, port: int, use_barrier: bool, results) -> None:
     sync = WeightSync.__new__(WeightSync)  # the publish logic alone: no engines to build
     sync.backend, sync._version, sync._update, sync.rollout = "gloo", 1, None, None  # no engines of its own
     sync.delta = sync.plan = None  # whole syncs (rollout.weight_delta off)
+    sync._due = False  # no group formed again
     sync.sender = StandInEngine(model, BlockingClient(HeldRollout()) if rank == 0 else None)
     sync.barrier = (lambda: dist.barrier(group=control)) if use_barrier else (lambda: None)
     t0 = time.perf_counter()
