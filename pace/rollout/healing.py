@@ -90,11 +90,10 @@ class HealingMixin:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"its old processes (group {old.proc.pid}) did not exit")
             await asyncio.sleep(0.1)
-        proc = await asyncio.to_thread(old.respawn)
-        server.process, server.url = proc, proc.url
-        if self._closing:  # shut down meanwhile: shutdown() stopped the old one
-            proc.kill()
+        if self._closing:
             return
+        proc = old.respawn()  # here, not in a thread: shutdown() (which stops `server.process`) cannot miss it
+        server.process, server.url = proc, proc.url
         await asyncio.to_thread(proc.wait_ready, time.monotonic() + self.start_timeout_s)
         server.workers = await asyncio.to_thread(world_size, server.url)
 

@@ -347,7 +347,8 @@ def build(model_path: str, cfg, placement: Placement, tokenizer, log_dir: str | 
         urls = [p.url for p in processes]
     try:
         r = cfg.rollout
-        fleet = RemoteFleet(urls, tokenizer, placement.device, processes, r.engine_timeout_s, r.max_engine_restarts,
+        restarts = r.max_engine_restarts if r.on_engine_failure == "continue" else 0  # stop: the run ends
+        fleet = RemoteFleet(urls, tokenizer, placement.device, processes, r.engine_timeout_s, restarts,
                             r.restart_backoff_s, r.server_start_timeout_s, r.drain_timeout_s)
     except BaseException:
         for p in processes or []:
