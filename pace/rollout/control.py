@@ -22,8 +22,10 @@ import socket
 import sys
 from pathlib import Path
 
+from pace.rollout.server_state import DEAD, LEFT
+
 FLEET_FILE = "fleet.json"  # in the run directory: {"control": url}
-GONE = ("dead", "left")  # states of a server that holds no place in the fleet
+GONE = (DEAD, LEFT)  # states of a server that holds no place in the fleet
 
 
 class Control:

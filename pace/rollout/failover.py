@@ -15,6 +15,10 @@ twice. What the engine held:
 - a prefix-scoring request: its group's scoring is dropped (`rescore_cancelled`) and asked again
   after the next update, as when new weights land while it runs;
 - a validation request: sent again to a live engine (the weights are held until it is graded).
+
+An engine that comes back, or joins (pace/rollout/healing.py), takes requests only after the update
+that caught it up: judged on its own (a joiner whose weights are not the trainer's is failed, not the
+run), then promoted.
 """
 from __future__ import annotations
 
@@ -38,6 +42,10 @@ class FailoverMixin:
                 continue
             self.stats["engine_failures"] += 1
             alive = len(self.fleet.alive)
+            if not f.serving:  # starting or catching up: it held no request, and is brought back again
+                print(f"warning: rollout engine {f.index} ({f.url}) failed before it served: {f.cause}",
+                      file=sys.stderr, flush=True)
+                continue
             if self.cfg.rollout.on_engine_failure == "stop" or not alive:
                 why = "no rollout engine is left" if not alive else "rollout.on_engine_failure=stop"
                 raise EngineFailed(f"rollout engine {f.index} ({f.url}) failed: {f.cause} ({why})")
@@ -81,3 +89,22 @@ class FailoverMixin:
             self._restart(pending, idx)
         else:
             self._continue(pending, idx)
+
+    def _judge(self, version: int, joining: list[int]):
+        """The engines' fingerprints of θ_version against the trainer's; a joiner is judged on its own
+        and failed (brought back again), not the run, if its catch-up update did not take."""
+        if not joining:
+            return self.sent_weights.judge(version, self.fleet.fingerprints())
+        prints = self.fleet.fingerprints_by_engine()
+        for i in joining:
+            stale = self.sent_weights.judge(version, prints.pop(i, []))
+            if stale is not None:
+                self.fleet.fail_engine(i, f"its catch-up update is not θ_{version}: {stale}")
+        return self.sent_weights.judge(version, [p for found in prints.values() for p in found])
+
+    def _promote(self, joining: list[int]) -> None:
+        for i in joining:
+            seconds = self.fleet.promote(i)
+            if seconds is not None:
+                self.stats["engine_joins"] += 1
+                self._join_s.append(seconds)

@@ -103,6 +103,13 @@ class Fleet(abc.ABC):
         (``admit``: with the engines ready to join)."""
         return self.needs_regroup
 
+    def group_members(self) -> list[int]:
+        """The engines in the weight-transfer group (those in service, and any joining or leaving)."""
+        return self.alive
+
+    def release_engines(self) -> None:
+        """Before the weight-transfer group is formed again: each member's engine of the old one released."""
+
     def joining(self) -> list[int]:
         """Engines in the weight-transfer group that take no requests until this update is checked."""
         return []

@@ -95,7 +95,7 @@ class HealingMixin:
         proc = old.respawn()  # here, not in a thread: shutdown() (which stops `server.process`) cannot miss it
         server.process, server.url = proc, proc.url
         await asyncio.to_thread(proc.wait_ready, time.monotonic() + self.start_timeout_s)
-        server.workers = await asyncio.to_thread(world_size, server.url)
+        server.workers = await asyncio.to_thread(world_size, server.url, f"rollout engine {server.index}")
 
     async def _probe(self, server, deadline: float | None) -> None:
         """Until ``server`` answers /health `PROBE_OKS` times in a row (or ``deadline``), then cleaned."""
@@ -111,7 +111,7 @@ class HealingMixin:
                     oks = oks + 1 if r.status == 200 else 0
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 oks = 0
-        server.workers = await asyncio.to_thread(world_size, server.url)
+        server.workers = await asyncio.to_thread(world_size, server.url, f"rollout engine {server.index}")
         await asyncio.to_thread(self._clean, server)
 
     def _clean(self, server) -> None:
@@ -119,6 +119,8 @@ class HealingMixin:
         connected that this run did not start now."""
         import requests
 
+        while self._updating:  # it may still be a rank of the broadcast under way: no finish or release now
+            time.sleep(0.2)
         if requests.get(server.url + "/is_paused", timeout=30).json().get("is_paused"):
             self._post(server, "/resume", timeout=self.engine_timeout_s)
         self._post(server, "/abort_requests", {}, timeout=self.engine_timeout_s)

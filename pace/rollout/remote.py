@@ -23,10 +23,7 @@ the fleet and reported once by `take_failures()` with the requests it held (the 
 decides what to do with them: pace/rollout/failover.py). The weight-transfer group is then formed
 again without it (`needs_regroup`), at the next update. Then it is started again, or re-admitted,
 and servers join and leave a running job: pace/rollout/healing.py.
-
-A server's state: serving (takes requests) → dead → starting → ready → joining (in the
-weight-transfer group for one update, no requests) → serving; serving → draining (no new groups,
-in the group until the next update) → left.
+A server's states: pace/rollout/server_state.py.
 """
 from __future__ import annotations
 
@@ -274,8 +271,9 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
                 return
             if server.in_group:
                 self._lost = True
+            serving = server.state in (SERVING, DRAINING)
             server.state, server.since = DEAD, time.monotonic()
-            self._failures.append(EngineFailure(server.index, server.url, cause))
+            self._failures.append(EngineFailure(server.index, server.url, cause, serving=serving))
         if server.leaving or not self.max_restarts:
             if server.process is not None:  # one this run started: it does not come back half-alive
                 threading.Thread(target=server.process.kill, daemon=True).start()

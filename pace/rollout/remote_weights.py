@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pace.errors import EngineFailed
-from pace.rollout.server_state import JOINING, LEFT, READY
+from pace.rollout.server_state import DRAINING, JOINING, LEFT, READY
 
 WEIGHT_CALL_TIMEOUT_S = 1800.0  # the transfer calls wait for the broadcast (gloo's own timeout is 30 min)
 # The other calls (pause, resume, the version label, the reload check) return in seconds; one that takes
@@ -28,7 +28,7 @@ WEIGHT_CALL_TIMEOUT_S = 1800.0  # the transfer calls wait for the broadcast (glo
 
 class RemoteWeightsMixin:
     def _each(self, call, what: str) -> list:
-        """``call(server)`` on every live server at once (a collective over the servers' workers and
+        """``call(server)`` on every server in the weight-transfer group at once (a collective over the servers' workers and
         the trainer returns on none of them until it runs on all); the results of those that
         answered. A server that cannot be reached or answers with a server error has failed: it is
         taken out (`take_failures` reports it; the weight-transfer group is formed again without it
@@ -53,7 +53,7 @@ class RemoteWeightsMixin:
                 except (requests.ConnectionError, requests.Timeout) as exc:
                     self._fail(s, f"{what}: {type(exc).__name__}")
                 except requests.HTTPError as exc:
-                    text = exc.response.text[:300] if exc.response is not None else ""
+                    text = " ".join(exc.response.text.split())[:300] if exc.response is not None else ""  # one line
                     if exc.response is not None and exc.response.status_code >= 500:
                         self._fail(s, f"{what}: {exc} {text}")
                         continue
@@ -86,7 +86,8 @@ class RemoteWeightsMixin:
         an earlier run (vLLM's `init_weight_transfer_engine` replaces an engine without closing it:
         on a GPU, an NCCL communicator per regroup)."""
         self._init_info = dict(init_info)
-        self._release_engines()
+        self._lost = False  # a member failing from here on forms it again at the next update
+        self.release_engines()
         group = [s for s in self.servers if s.in_group]
         infos, offset = {}, init_info.get("rank_offset")
         for s in group:
@@ -104,9 +105,18 @@ class RemoteWeightsMixin:
                 s.grouped = True
                 if quiet:
                     s.paused, s.last_output = False, time.monotonic()
-        self._lost = False
 
-    def _release_engines(self) -> None:
+    def group_members(self) -> list[int]:
+        return [s.index for s in self.servers if s.in_group]
+
+    def release_engines(self) -> None:
+        """The servers that left release their engine (and go: stopped if this run started them);
+        outside an update every member releases its engine too (safe to repeat: none is released)."""
+        self._release_left()
+        if not self._updating:  # a server may hold one of an earlier group, or of an earlier run
+            self._each(self._release, "shutdown_weight_transfer_engine")
+
+    def _release_left(self) -> None:
         for s in self.servers:
             if s.state == LEFT and s.grouped:  # drained: it goes (a server this run started is stopped)
                 s.grouped = False
@@ -117,8 +127,6 @@ class RemoteWeightsMixin:
                 if s.process is not None:
                     threading.Thread(target=s.process.kill, daemon=True).start()
                 print(f"rollout engine {s.index} ({s.url}) left the fleet", file=sys.stderr, flush=True)
-        if not self._updating:  # a server may hold one of an earlier group, or of an earlier run
-            self._each(self._release, "shutdown_weight_transfer_engine")
 
     def begin_update(self) -> None:
         def begin(s):
@@ -139,6 +147,11 @@ class RemoteWeightsMixin:
         update, with the engine the others have."""
         if self._init_info is None or "world_size" in self._init_info:
             return  # nccl, gloo: admitted when the group is formed again (regroup_due)
+        for s in self.servers:  # a drained server leaves here (no group to form again)
+            with self._lock:
+                if s.state == DRAINING and s.drained:
+                    s.state = LEFT
+        self._release_left()
         for s in [s for s in self.servers if s.state == READY]:
             try:
                 self._client(s, self.engine_timeout_s).init_weight_transfer_engine(self._init_info)

@@ -7,7 +7,8 @@ and what a failure reports.
 serving: takes requests. starting: started again, or probed (pace/rollout/healing.py). ready: up,
 waiting for the next weight update. joining: in the weight-transfer group for the update that catches
 it up, no requests. draining: no new groups, still in the group. dead: out, not coming back (the
-restart budget is spent, or it was leaving). left: drained and gone.
+restart budget is spent, or it was leaving), and briefly between a failure and its revival. left:
+drained and gone.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class EngineFailure:
     cause: str
     request_ids: list = field(default_factory=list)  # the requests it held, filled in by take_failures
     drained: bool = False  # not a failure: a draining server's requests moved at rollout.drain_timeout_s
+    serving: bool = True  # it took requests (a server failing while it starts or catches up fails no run)
 
 
 @dataclass
@@ -56,9 +58,9 @@ class Server:
         return self.state in (SERVING, JOINING, DRAINING)
 
 
-def world_size(url: str) -> int:
-    """A server's weight-transfer ranks (TP × PP, times DP if it has several); ConfigError if it
-    cannot say."""
+def world_size(url: str, what: str = "rollout.servers") -> int:
+    """A server's weight-transfer ranks (TP × PP, times DP if it has several); ConfigError naming
+    ``what`` if it cannot say."""
     import requests
 
     try:
@@ -67,5 +69,5 @@ def world_size(url: str) -> int:
     except requests.RequestException as exc:
         hint = ("it is not started with VLLM_SERVER_DEV_MODE=1 (scripts/launch_rollout_server.sh)"
                 if isinstance(exc, requests.HTTPError) else "it does not answer")
-        raise ConfigError(f"rollout.servers: {url}: {hint} ({type(exc).__name__})") from exc
+        raise ConfigError(f"{what}: {url}: {hint} ({type(exc).__name__})") from exc
     return int(r.json()["world_size"])

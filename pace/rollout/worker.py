@@ -240,8 +240,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._sync_last = now
         joins, self._join_s = self._join_s, []
         return {"rollout/engines_alive": len(self.fleet.alive), "rollout/engine_restarts": self.stats["engine_restarts"],
-                # seconds from its failure (or registration) to serving again, of the last engine that joined
-                "rollout/engine_join_s": joins[-1] if joins else float("nan")} | {
+                # seconds from its failure (or registration) to serving, the longest of the engines that joined
+                "rollout/engine_join_s": max(joins) if joins else float("nan")} | {
             f"rollout/sync_s/engine{i}": sec - last.get(i, 0.0) for i, sec in now.items()}
 
     def _tool_metrics(self, s: dict, last: dict) -> dict:
@@ -363,28 +363,12 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         if self.sent_weights is not None and self.sent_weights.expects(version) and self.stale is None:
             self.stale = self._judge(version, joining)  # the loop stops on it
             self.stats["weights_checked"] += 1
-        for i in joining:  # caught up (and checked, if fingerprinted): it takes requests from here on
-            seconds = self.fleet.promote(i)
-            if seconds is not None:
-                self.stats["engine_joins"] += 1
-                self._join_s.append(seconds)
+        self._promote(joining)  # caught up (and checked, if fingerprinted): they take requests from here on
         if self.fleet.in_process:
             self.fleet.reset_prefix_cache_if_idle()  # old entries are unreachable (salted); free them
         if self.prefix_tokens:
             self._start_rescoring()
         self._maybe_validate(weights)
-
-    def _judge(self, version: int, joining: list[int]):
-        """The engines' fingerprints of θ_version against the trainer's; a joiner is judged on its own
-        and failed (brought back again), not the run, if its catch-up update did not take."""
-        if not joining:
-            return self.sent_weights.judge(version, self.fleet.fingerprints())
-        prints = self.fleet.fingerprints_by_engine()
-        for i in joining:
-            stale = self.sent_weights.judge(version, prints.pop(i, []))
-            if stale is not None:
-                self.fleet.fail_engine(i, f"its catch-up update is not θ_{version}: {stale}")
-        return self.sent_weights.judge(version, [p for found in prints.values() for p in found])
 
     def _abort_all(self) -> None:
         # nothing lost silently: every unfinished response not waiting for its program has a request

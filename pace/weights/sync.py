@@ -158,7 +158,7 @@ class WeightSync:
                 self._regroup(admit=False)  # a server lost while the update started
             self.barrier()
             fleet = None if self.rollout is None else self.rollout.fleet
-            known = set() if fleet is None else set(fleet.alive)
+            known = set() if fleet is None else set(fleet.group_members())  # a joiner or draining one too
             plan = self.plan
             if plan is not None and not plan.full and self.decide(self.delta.version is None):
                 plan = self.plan = self.delta.whole(plan)  # rank 0 formed the group again: its engines get θ whole
@@ -208,6 +208,9 @@ class WeightSync:
         """Server mode, rank 0: the group formed again, without the servers that failed or left and
         (``admit``, the engines not yet paused) with those ready to join."""
         if self._regroup_due(admit):
+            # on the rollout thread, once no validation holds it (the rendezvous below would wait for it):
+            # every member's engine released first, so one that fails there is not counted in the group
+            self._client.call(self.rollout.fleet.release_engines)
             self.sender.shutdown()
             self.sender = self._connect(0)
             self._due = False
@@ -239,6 +242,10 @@ class BlockingClient:
         self.rollout = rollout
         self.label = label  # nccl/gloo: the update info names its version (the workers' check of patch bases)
         self.update: WeightUpdate | None = None  # the update in progress: from `start` to finish_weight_update
+
+    def call(self, fn):
+        """``fn()`` on the rollout thread, between engine steps and after a validation in progress."""
+        return self._run(fn)
 
     def _run(self, fn):
         if self.rollout.ident is None:  # the thread has not started: the engines are idle, call here

@@ -152,7 +152,9 @@ def test_a_joiner_failing_its_reload_check_is_failed_not_the_update(stand_ins):
         fleet.servers[1].state = JOINING
         b.rpc_results = ["layer 3 has no weights"]
         assert fleet._update_failures() == []
-        assert fleet.servers[1].state == DEAD and "catch-up update did not load" in fleet.take_failures()[0].cause
+        [failure] = fleet.take_failures()
+        assert fleet.servers[1].state == DEAD and "catch-up update did not load" in failure.cause
+        assert not failure.serving  # it held no request: it fails no run, even under on_engine_failure=stop
         fleet.servers[0].state, a.rpc_results = SERVING, ["layer 1 has no weights"]  # a survivor's fails the update
         assert fleet._update_failures() == ["layer 1 has no weights"]
     finally:
