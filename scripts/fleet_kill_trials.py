@@ -9,13 +9,15 @@ Each trial runs `train.py` on the tiny model with two vLLM servers it starts its
 (`rollout.engine_process=server rollout.engines=2`, `rollout.max_engine_restarts=1`), the presets
 `sync_tiny` and `async_tiny` in turn, and SIGKILLs engine 1's process group (`<run>/engines/engine1.pid`)
 in one of three windows, taken in turn:
-- generation: a random 0-0.3 s after it holds requests (and still holds them) (`GET <control>/fleet`), a random 2-5 steps in;
+- generation: a random 2-5 steps in, a random 0-0.3 s after it holds requests (`GET <control>/fleet`)
+  if it still holds them;
 - update: as soon as engine 1 answers `GET /is_paused` true (vLLM's RL route: paused for a weight
   update), plus a random 0-50 ms: the kill lands in the pause, the start, the broadcast, the
   finish, the checks or the resume. A kill inside the broadcast stops the run (with a checkpoint and
   one line naming the engine, docs/weight-sync.md); anywhere else it is survived;
-- validation (`eval.every`): a random 0.1-1 s after θ_v loads for a due v, before its validation
-  line; whether the kill landed in it is judged from that line's time.
+- validation (`eval.every`, 100 problems × 4 samples: ~2-4 s here): a random 0-1.5 s after θ_v
+  loaded for a due v (engine 1's update pause seen to end); whether the kill landed in it is judged
+  from the time of its validation line.
 
 A trial passes when the run neither hangs (`--timeout` s; the whole process tree is then killed)
 nor leaves a server running, and either finished all its steps with engine 1 back (engines alive
@@ -219,9 +221,20 @@ def _aim(run: Run, window: str, rng: random.Random) -> dict:
                     pass
         time.sleep(rng.uniform(0.0, 0.05))
         return {"paused_seen": True}
-    version = VAL_EVERY * rng.randint(1, 2)  # the validation of θ_version runs after row `version`
+    version = VAL_EVERY * rng.randint(1, 2)  # the validation of θ_version runs after row `version`...
     run.wait_rows(version)
-    time.sleep(rng.uniform(0.1, 1.0))
+    url, seen, t_row = run.engine(ENGINE)["url"], False, time.monotonic()
+    with requests.Session() as http:  # ...once θ_version loaded: the update's pause seen to end (or 3 s passed)
+        while True:
+            run.check()
+            try:
+                paused = http.get(url + "/is_paused", timeout=1).json().get("is_paused")
+            except (requests.RequestException, ValueError):
+                paused = None
+            seen = seen or bool(paused)
+            if paused is False and (seen or time.monotonic() - t_row > 3.0):
+                break
+    time.sleep(rng.uniform(0.0, 1.5))
     return {"validating": version}
 
 
@@ -282,7 +295,9 @@ def _judge(run: Run, out: dict, steps: int, sync_every: int) -> dict:
     problems += [] if out["orphaned"] == 0 else ["orphaned"]
     alive = [m["rollout/engines_alive"] for m in rows]
     out["alive"] = [a for i, a in enumerate(alive) if i == 0 or a != alive[i - 1]]
-    out["back"] = 1 in alive and alive[-1] == 2
+    out["back"] = 1 in alive and 2 in alive[alive.index(1):]  # (another engine may fail later: noted below)
+    out["others_failed"] = sorted({ev[1] for t, line in run.lines if (ev := parse(line)) and ev[0] == "failed"
+                                   and ev[1] != ENGINE})
     if out["outcome"] == "finished" and not out["back"]:
         problems.append("not back")
     joined = [i for i, m in enumerate(rows) if m.get("rollout/engine_join_s") == m.get("rollout/engine_join_s")
@@ -300,12 +315,14 @@ def _judge(run: Run, out: dict, steps: int, sync_every: int) -> dict:
     problems += [] if out["leftover"] == 0 else ["server left running"]
     out["ok"] = out["outcome"] in ("finished", "stopped") and not problems
     out["checks"] = "ok" if out["ok"] else ", ".join(problems) or "outcome"
+    if out["others_failed"]:  # not killed here: handled like any failure, but worth a look
+        out["checks"] += "; also failed: " + ", ".join(f"engine {i}" for i in out["others_failed"])
     out["stderr_tail"] = lines[-15:]
     return out
 
 
 def trial(n: int, window: str, preset: str, run_dir: Path, steps: int, rng: random.Random, timeout: float) -> dict:
-    evals = [f"eval.every={VAL_EVERY}", "eval.val_max_problems=8"] if window == "validation" else ["eval.every=0"]
+    evals = [f"eval.every={VAL_EVERY}", "eval.val_max_problems=25"] if window == "validation" else ["eval.every=0"]
     cmd = [sys.executable, str(ROOT / "train.py"), f"+exp={preset}", *SMALL, *evals, f"trainer.steps={steps}",
            f"hydra.run.dir={run_dir}"]
     out = {"trial": n, "preset": preset, "window": window, "run_dir": str(run_dir)}
