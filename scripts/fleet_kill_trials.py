@@ -17,7 +17,7 @@ in one of three windows, taken in turn:
   one line naming the engine, docs/weight-sync.md); anywhere else it is survived;
 - validation (`eval.every`, 100 problems × 4 samples: ~2-4 s here): a random 0-1.5 s after θ_v
   loaded for a due v (engine 1's update pause seen to end); whether the kill landed in it is judged
-  from the time of its validation line.
+  from its validation line (its time, less the seconds it says the validation took).
 
 A trial passes when the run neither hangs (`--timeout` s; the whole process tree is then killed)
 nor leaves a server running, and either finished all its steps with engine 1 back (engines alive
@@ -61,7 +61,7 @@ SMALL = ["data.batch_prompts=4", "rollout.max_inflight_groups=12", "logger.mode=
 FAILED = re.compile(r"rollout engine (\d+) \(\S+\) failed[: ]")
 READY = re.compile(r"rollout engine (\d+) \(\S+\) (?:started|answers) again \(restart \d+ of at most \d+\) at θ_(\d+)")
 SERVING = re.compile(r"rollout engine (\d+) \(\S+\) serves again: caught up with θ_(\d+)")
-VALIDATED = re.compile(r"validation of θ_(\d+): ")
+VALIDATED = re.compile(r"validation of θ_(\d+): (?:.* in ([\d.]+) s)?")
 
 
 def parse(line: str) -> tuple[str, int | None, int | None] | None:
@@ -293,11 +293,12 @@ def _judge(run: Run, out: dict, steps: int, sync_every: int) -> dict:
         problems.append("no groups/fates")
     out["orphaned"] = summary.get("rollout", {}).get("orphaned_responses")
     problems += [] if out["orphaned"] == 0 else ["orphaned"]
-    alive = [m["rollout/engines_alive"] for m in rows]
+    alive = [m["rollout/engines_alive"] for m in rows if "rollout/engines_alive" in m]  # not the final validation's row
     out["alive"] = [a for i, a in enumerate(alive) if i == 0 or a != alive[i - 1]]
     out["back"] = 1 in alive and 2 in alive[alive.index(1):]  # (another engine may fail later: noted below)
-    out["others_failed"] = sorted({ev[1] for t, line in run.lines if (ev := parse(line)) and ev[0] == "failed"
-                                   and ev[1] != ENGINE})
+    failed = [(t, ev[1]) for t, line in run.lines if line.startswith("warning:") and (ev := parse(line)) and ev[0] == "failed"]
+    out["others_failed"] = sorted({i for _, i in failed if i != ENGINE})
+    out["failed_again"] = sum(1 for t, i in failed if i == ENGINE and t > out["kill_t"]) > 1
     if out["outcome"] == "finished" and not out["back"]:
         problems.append("not back")
     joined = [i for i, m in enumerate(rows) if m.get("rollout/engine_join_s") == m.get("rollout/engine_join_s")
@@ -307,16 +308,19 @@ def _judge(run: Run, out: dict, steps: int, sync_every: int) -> dict:
     out["mismatch_after_join"] = back.get(f"mismatch/abs_logp_diff/engine{ENGINE}") if back else None
     out.update(timings(run.lines, out["kill_t"], ENGINE, sync_every))
     if out["window"] == "validation":  # landed in it: its line came after the kill
-        val_t = [t for t, line in run.lines if (ev := parse(line)) and ev[0] == "validated" and ev[2] == out["validating"]]
-        out["landed"] = bool(val_t) and val_t[0] > out["kill_t"]
+        took = [(t, float(m[2])) for t, line in run.lines
+                if (m := VALIDATED.search(line)) and int(m[1]) == out["validating"] and m[2] is not None]
+        # printed when the trainer next polls: the start estimated from it is late, never early
+        out["landed"] = bool(took) and took[0][0] - took[0][1] <= out["kill_t"] < took[0][0]
     else:  # generation: it held requests a moment before; update: it was paused 0-50 ms before
         out["landed"] = out.get("requests", 0) > 0 or out.get("paused_seen", False)
     out["where"] = out["window"] + ("" if out["landed"] else " (missed)")
     problems += [] if out["leftover"] == 0 else ["server left running"]
     out["ok"] = out["outcome"] in ("finished", "stopped") and not problems
     out["checks"] = "ok" if out["ok"] else ", ".join(problems) or "outcome"
-    if out["others_failed"]:  # not killed here: handled like any failure, but worth a look
-        out["checks"] += "; also failed: " + ", ".join(f"engine {i}" for i in out["others_failed"])
+    if out["others_failed"] or out["failed_again"]:  # not killed here: handled like any failure, but worth a look
+        again = ["engine 1 again"] if out["failed_again"] else []
+        out["checks"] += "; also failed: " + ", ".join([f"engine {i}" for i in out["others_failed"]] + again)
     out["stderr_tail"] = lines[-15:]
     return out
 
@@ -361,6 +365,7 @@ def trial(n: int, window: str, preset: str, run_dir: Path, steps: int, rng: rand
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--first", type=int, default=0, help="number of the first trial (its window and preset follow)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=120, help="steps of each run: enough for a restart (30-80 s here)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds a trial may take; more is a hang")
@@ -373,7 +378,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        for n in range(args.trials):
+        for n in range(args.first, args.first + args.trials):
             window, preset = args.windows[n % len(args.windows)], args.presets[n % len(args.presets)]
             r = trial(n, window, preset, root / f"trial{n:02d}", args.steps, rng, args.timeout)
             results.append(r)
