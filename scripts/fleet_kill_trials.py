@@ -22,7 +22,8 @@ in one of three windows, taken in turn:
 A trial passes when the run neither hangs (`--timeout` s; the whole process tree is then killed)
 nor leaves a server running, and either finished all its steps with engine 1 back (engines alive
 2 again) or stopped with exit code 1, one `error:` line naming engine 1, summary status "failed" and
-its checkpoint; and in both cases the fates add up (every submitted group one fate, one row),
+its checkpoint; and in both cases the fates add up (every submitted group one fate, one row; in a
+stopped run, the pooled and in-flight ones in its checkpoint instead),
 Lemma 1 holds on every decided group (K = K_gen + K_wait recomputed from its records) and no
 response was orphaned. Times come from this script's clock on the run's stderr lines, read as they
 come: kill → the "failed" line, kill → the "started again" line; then the updates between the
@@ -257,11 +258,21 @@ def _lemma1(groups) -> tuple[float, int]:
     return worst, bad
 
 
-def _fates_ok(summary: dict, groups) -> bool:
-    fates = summary["fates"]
+def _fates_ok(summary: dict, groups, checkpoint: str | None) -> bool:
+    """Every submitted group has one fate and one row, except, in a stopped run, those its
+    checkpoint keeps pooled or in flight (logged once decided after a resume)."""
+    import pickle
+
+    fates, kept = summary["fates"], ()
+    if checkpoint:
+        with open(Path(checkpoint) / "run_state.pkl", "rb") as f:
+            pool = pickle.load(f)["pool"]
+        if len(pool["pooled"]) != fates["pooled"] or len(pool["inflight"]) != fates["inflight"]:
+            return False
+        kept = ("pooled", "inflight")
+    logged = {f: n for f, n in fates.items() if f != "submitted" and f not in kept}
     return (fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted") and groups.id.is_unique
-            and len(groups) == fates["submitted"]
-            and all((groups.fate == f).sum() == n for f, n in fates.items() if f != "submitted"))
+            and len(groups) == sum(logged.values()) and all((groups.fate == f).sum() == n for f, n in logged.items()))
 
 
 def _judge(run: Run, out: dict, steps: int, sync_every: int) -> dict:
@@ -285,7 +296,7 @@ def _judge(run: Run, out: dict, steps: int, sync_every: int) -> dict:
     if (run.dir / "groups").exists() and summary.get("fates"):
         groups = pd.read_parquet(run.dir / "groups")
         out["lemma1_max_err"], out["lemma1_bad"] = _lemma1(groups)
-        out["fates_ok"] = _fates_ok(summary, groups)
+        out["fates_ok"] = _fates_ok(summary, groups, checkpoint if out["outcome"] == "stopped" else None)
         out["groups"] = len(groups)
         problems += [] if out["fates_ok"] else ["fates"]
         problems += [] if out["lemma1_max_err"] < 1e-9 and out["lemma1_bad"] == 0 else ["lemma1"]
