@@ -44,6 +44,10 @@ from pace.rollout.server_state import DEAD, DRAINING, SERVING, WATCHED, EngineFa
 
 HEALTH_INTERVAL_S = 1.0
 HEALTH_MISSES = 3  # consecutive failed /health checks that fail a server
+# an idle connection is dropped this soon: vLLM's server closes its end after 5 s
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a request sent on a connection it just closed breaks as a dead
+# server's stream does, and failed a healthy server (aiohttp keeps idle connections for 15 s)
+KEEPALIVE_S = 2.0
 
 
 class RequestRefused(RuntimeError):
@@ -95,7 +99,7 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
     async def _open(self):
         import aiohttp
 
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                                      timeout=aiohttp.ClientTimeout(total=None, connect=30))
 
     async def _close(self) -> None:
