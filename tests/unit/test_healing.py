@@ -128,6 +128,20 @@ def test_a_failed_server_is_started_again_then_the_budget_stops_it(stand_ins, ca
         fleet.shutdown()
 
 
+def test_a_failed_url_server_is_readmitted_once_it_answers_again_cleaned(stand_ins, monkeypatch):
+    monkeypatch.setattr(healing, "PROBE_INTERVAL_S", 0.05)
+    a, b = stand_ins(2)
+    fleet = RemoteFleet([a.url, b.url], tokenizer=None, max_restarts=2, restart_backoff_s=0.0)
+    try:
+        fleet.fail_engine(1, "missed /health")
+        _until(lambda: fleet.servers[1].state == READY)
+        # nothing of before left: resumed if paused (it is not), its requests aborted, its engine released
+        assert b.posts == ["/abort_requests", "/shutdown_weight_transfer_engine"]
+        assert fleet.servers[1].url == b.url and fleet.restarts == 1 and fleet.alive == [0]
+    finally:
+        fleet.shutdown()
+
+
 def test_a_group_is_formed_after_releasing_the_engines_outside_an_update_only(stand_ins):
     a, b = stand_ins(2)
     fleet = RemoteFleet([a.url, b.url], tokenizer=None, max_restarts=0)
