@@ -33,12 +33,12 @@ def test_rollout_records_versions_across_an_update(llm, weights, tiny_model_path
     worker._admit()
     assert pool.inflight == 2
     for _ in range(5):
-        worker._consume(llm.llm_engine.step())
+        worker._consume(worker.fleet.step())
     worker.set_trainer_version(1)
     worker.post_weights(1, weights)  # same values, new version: the switch is what is recorded
     assert worker._apply_update() and worker.engine_version == 1
     while llm.llm_engine.has_unfinished_requests():
-        worker._consume(llm.llm_engine.step())
+        worker._consume(worker.fleet.step())
     trajs = [t for p in worker._pending.values() for t in p.responses.values()]
     groups_done = len(worker._grading)
     trajs += [t for g, _ in worker._grading for t in g.trajectories]
@@ -88,7 +88,7 @@ def test_prefix_forgetting_score_is_zero_under_the_generating_weights(llm, weigh
 
         def drain():
             while llm.llm_engine.has_unfinished_requests():
-                worker._consume(llm.llm_engine.step())
+                worker._consume(worker.fleet.step())
 
         drain()
         deadline = time.time() + 30
@@ -152,14 +152,14 @@ def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse
         worker = RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), PromptSampler([Prompt("long", text, "0")]), pool, grader, cfg)
         assert worker._admit() and len(worker.tokenizer(text, add_special_tokens=False).input_ids) > 128
         for _ in range(4):
-            worker._consume(llm.llm_engine.step())
+            worker._consume(worker.fleet.step())
         worker.set_trainer_version(1)
         worker.post_weights(1, moved)
         assert worker._apply_update()
         pool.policy.max_inflight_groups = 2
         assert worker._admit()  # group 1: the same prompt, submitted under θ_1
         while llm.llm_engine.has_unfinished_requests():
-            worker._consume(llm.llm_engine.step())
+            worker._consume(worker.fleet.step())
         groups = {g.id: g for g, _ in worker._grading}
     load_weights(llm, weights)
     assert set(groups) == {0, 1}
@@ -211,7 +211,7 @@ def test_a_prefix_score_pending_when_an_update_lands_is_redone_under_the_new_wei
         worker._admit()
         worker.set_trainer_version(1)  # K_gen = 1 > 0 at completion: the groups are rescored
         while llm.llm_engine.has_unfinished_requests():
-            worker._consume(llm.llm_engine.step())
+            worker._consume(worker.fleet.step())
         worker.post_weights(1, weights)  # θ_1 (θ_0's values): prefixes of θ_0 tokens need a request
         assert worker._apply_update()
         deadline = time.time() + 30
@@ -223,7 +223,7 @@ def test_a_prefix_score_pending_when_an_update_lands_is_redone_under_the_new_wei
         worker.post_weights(2, moved)  # ... and θ_2 lands before the engine has run them
         assert worker._apply_update()
         while llm.llm_engine.has_unfinished_requests():
-            worker._consume(llm.llm_engine.step())
+            worker._consume(worker.fleet.step())
         groups = pool.remaining()
     load_weights(llm, weights)
     for g in groups:
@@ -269,7 +269,7 @@ def test_groups_in_flight_are_kept_at_a_stop_and_continued_token_for_token(llm, 
     first = worker_with(pool)
     first._admit()
     for _ in range(6):
-        first._consume(llm.llm_engine.step())
+        first._consume(first.fleet.step())
     # vLLM's labels of the tokens read so far (what a stop keeps) equal the in-process stamps
     labelled = [(first.fleet.partial_versions(p.request_id(i), len(t)), t.versions)
                 for p in first._pending.values() for i, t in p.responses.items() if t.completed_at < 0]
@@ -298,7 +298,7 @@ def test_groups_in_flight_are_kept_at_a_stop_and_continued_token_for_token(llm, 
     assert second.stats["resumed_groups"] == 3 and second.stats["resumed_tokens"] == 6 * len(partial)
     while pool2.counts()["pooled"] + pool2.counts()["filtered"] < 3:
         if llm.llm_engine.has_unfinished_requests():
-            second._consume(llm.llm_engine.step())
+            second._consume(second.fleet.step())
         second._collect_grades()
     pool2.check_accounting()
     groups = {g.id: g for g in pool2.remaining() + pool2.drain_decided()}

@@ -47,7 +47,7 @@ def _drive(worker, llm, on_step=None):
     i = 0
     while worker._pending or worker._grading:
         if llm.llm_engine.has_unfinished_requests():
-            worker._consume(llm.llm_engine.step())
+            worker._consume(worker.fleet.step())
             i += 1
             if on_step is not None:
                 on_step(i)
@@ -227,7 +227,7 @@ def test_a_stop_between_and_within_tool_turns_is_continued_after_a_restart(llm):
     while time.monotonic() < deadline:  # until one response waits on its program and another runs its next turn
         if not llm.llm_engine.has_unfinished_requests():
             time.sleep(0.01)  # every response waits on its program
-        first._consume(llm.llm_engine.step())
+        first._consume(first.fleet.step())
         if not mid_turn:
             first._collect_tools()  # (a call finished: its response continues in a new turn)
         waiting = waiting or any(p.tool_wait for p in first._pending.values())
@@ -246,7 +246,7 @@ def test_a_stop_between_and_within_tool_turns_is_continued_after_a_restart(llm):
     for _ in range(60):  # on into the later turns until a program is being written; no call collected
         if writing_now() and any(p.tool_wait for p in first._pending.values()):
             break
-        first._consume(llm.llm_engine.step())
+        first._consume(first.fleet.step())
     first._abort_all()
     first.tools.close()
     if not writing_now():  # none stopped mid-program this time: stop one a few tokens earlier, before its </code>
