@@ -76,6 +76,13 @@ class RolloutConfig:
     # are dropped, their prompts returned to the sampler (docs/checkpoints.md "Checkpoints, resume and failures").
     resume_inflight: bool = True
     sync_every: int = 1  # weight sync every N training steps
+    # What an in-flight request attends to after a weight update (docs/pool-policies.md "KV staleness"):
+    # keep: the keys and values its prompt and earlier tokens got under the older weights (vLLM's
+    # pause "keep": no recomputation; its later tokens' context is stale, counted in K_kv) |
+    # recompute: every in-flight request is prefilled again under the new weights (vLLM preempts the
+    # running requests at the update: `reset_prefix_cache(reset_running_requests=True)`), so K_kv = K_gen;
+    # the cost is logged (`rollout/reprefill_tokens`)
+    kv_on_update: str = "keep"
     weight_delta: bool = False  # after a full sync, send only the elements whose engine-dtype value changed (docs/weight-sync.md)
     full_sync_every: int = 100  # with weight_delta: a full sync every N versions (0: only at start, resume and engine join)
     delta_max_frac: Optional[float] = None  # with weight_delta: a full sync when more than this fraction changed (null: where the bytes break even)
@@ -200,6 +207,10 @@ class PaceConfig:
     # draws groups in completion order, filtering, until it has B) only those drawn before the B-th
     # kept group; the others stay pooled. The batch of step j is the same under both.
     selection: str = "pool"
+    # Rank by the KV staleness K_kv instead of K_gen in the effective score, S_eff = K_wait + u^γ K_kv
+    # (docs/pool-policies.md "KV staleness"): tokens written on an older context count as old as it.
+    # The same as K_gen under rollout.kv_on_update=recompute.
+    kv_aware: bool = False
 
 
 @dataclass

@@ -38,6 +38,7 @@ _CHOICES = {
     "rollout.on_engine_failure": ("continue", "stop"),
     "rollout.placement": ("separate", "colocate"),
     "rollout.weight_transfer": ("auto", "shm", "nccl", "ipc", "gloo"),
+    "rollout.kv_on_update": ("keep", "recompute"),
     "trainer.grad_sync": ("auto", "every", "last"),
     "trainer.master_dtype": ("float32", "bfloat16"),
     "trainer.reduce_dtype": ("float32", "bfloat16"),

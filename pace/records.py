@@ -50,10 +50,14 @@ class Trajectory:
     when several did (a response continued elsewhere after its engine failed, or kept across a
     restart) or none is known: the trainer's per-engine mismatch (`mismatch/abs_logp_diff/engine<i>`)
     counts only responses served wholly by one engine.
+
+    ``starts`` holds the token indices where a later engine request of the response began (a tool
+    turn, a continuation after a restart or a failover: each prefilled anew); with them the KV
+    version of every token follows (`kv_versions`, pace/staleness.py).
     """
 
     __slots__ = ("_tok", "_n", "_masked", "_stream", "completed_at", "finish_reason", "correct", "reward",
-                 "advantage", "tool_calls", "tool_errors", "resumed", "engine")
+                 "advantage", "tool_calls", "tool_errors", "resumed", "engine", "starts")
     FLUSH = 256  # streamed tokens held in Python lists before they move into the array
 
     def __init__(self, response_ids=(), logprobs=(), versions=(), completed_at: int = -1, finish_reason: str = "",
@@ -78,6 +82,13 @@ class Trajectory:
         self.tool_errors = tool_errors  # of which did not succeed (error, timeout, killed, no program)
         self.resumed = resumed  # tokens kept from a checkpoint and continued after a restart (0: none)
         self.engine = -1 if engine is None else engine  # the engine that served every turn; −1: several, or unknown
+        self.starts: list[int] = []  # token indices where a later request of the response began
+
+    def begin_request(self) -> None:
+        """A new engine request continues the response from its current length (prefilled anew)."""
+        n = len(self)
+        if n > 0 and (not self.starts or self.starts[-1] != n):
+            self.starts.append(n)
 
     def served_by(self, engine: int | None) -> None:
         """An output of ``engine`` (None: unknown) was appended: a second engine makes it −1, for good."""
@@ -124,6 +135,7 @@ class Trajectory:
         """Keep the first ``n`` tokens."""
         self._flush()
         self._n = min(self._n, n)
+        self.starts = [s for s in self.starts if s <= self._n]
 
     def finish(self) -> None:
         """Drop the spare capacity of growth (a finished response does not grow)."""
@@ -170,6 +182,11 @@ class Trajectory:
         """v_t of the model-generated tokens (what the staleness averages run over)."""
         return self.versions if not self._masked else self.versions[self.action_mask]
 
+    def kv_versions(self, reprefill: bool = False) -> np.ndarray:
+        """w_t of the model-generated tokens: the oldest version in each one's context (pace/staleness.py)."""
+        w = staleness.kv_versions(self.versions, self.starts, reprefill)
+        return w if not self._masked else w[self.action_mask]
+
     @property
     def nbytes(self) -> int:
         """Host bytes of the per-token array (capacity included; streamed tokens moved into it first)."""
@@ -189,7 +206,8 @@ class Trajectory:
             state.pop("text", None)
             state |= {"_tok": fresh._tok, "_n": fresh._n, "_masked": fresh._masked}
         # (resumed: absent before in-flight resume; engine: before per-engine accounting)
-        state = {"_stream": None, "resumed": 0, "engine": -1} | state
+        # (starts: before KV staleness)
+        state = {"_stream": None, "resumed": 0, "engine": -1, "starts": []} | state
         for name, value in state.items():
             setattr(self, name, value)
 
@@ -214,7 +232,9 @@ class Group:
     pfs: float | None = None  # Prefix Forgetting Score (PACE), None when not rescored
     scores: dict = field(default_factory=dict)  # policy-specific ranking values, logged per group
     pfs_version: int | None = None  # engine version the PFS was computed under
+    kv_reprefill: bool = False  # submitted under rollout.kv_on_update=recompute: every update re-prefilled it
     _k_gen: float | None = field(default=None, repr=False, compare=False)
+    _k_kv: float | None = field(default=None, repr=False, compare=False)
     _c_mean: float = field(default=0.0, repr=False, compare=False)
 
     @property
@@ -239,6 +259,14 @@ class Group:
             _, self._k_gen, wait = self.staleness(self.completed_at)
             self._c_mean = self.completed_at - wait
         return self._k_gen
+
+    def k_kv(self) -> float:
+        """KV staleness: token-weighted mean of c(τ) − w_t, fixed once the group is complete (≥ K_gen)."""
+        if self._k_kv is None:
+            self._k_kv = staleness.group_kv_staleness(
+                [t.kv_versions(self.kv_reprefill) for t in self.trajectories], [t.completed_at for t in self.trajectories]
+            )
+        return self._k_kv
 
     def k_wait(self, step: int) -> float:
         """Token-weighted Waiting Staleness at ``step`` = step − c̄ (c̄: token-weighted mean of the

@@ -10,6 +10,15 @@ at step j.
     Waiting Staleness       K_wait    = j − c                          +1 per trainer step pooled
     Lemma 1                 K         = K_gen + K_wait                 (exact)
 
+The keys and values token y_t attends to were computed by the weights of the moment they were:
+its prompt's (and its own earlier tokens') at the last prefill of the engine request that produced
+it. With `rollout.kv_on_update=keep` a request that spans an update keeps that cache, so w_t, the
+oldest version in y_t's context, is the version of its request's prefill (the request's first
+token's); with `recompute` every in-flight request is prefilled again at each update, so w_t = v_t.
+
+    KV staleness            K_kv      = (1/|y|) Σ_t (c − w_t)          ≥ K_gen, = K_gen under recompute
+    context lag                       = K_kv + K_wait                  (exact, as Lemma 1)
+
 For a group (G trajectories of one prompt) every quantity is the token-weighted mean over its
 trajectories, so Lemma 1 holds for groups too. Sums of integers are kept as integers and divided
 once, so the identity holds to floating-point rounding of a single division.
@@ -70,6 +79,34 @@ def group_staleness(
         gen += c * m - s
         wait += (step - c) * m
     return lag / n, gen / n, wait / n
+
+
+def kv_versions(versions: Sequence[int], starts: Sequence[int] = (), reprefill: bool = False) -> np.ndarray:
+    """w_t of every token: the version of the first token of the engine request that produced it
+    (``starts``: the token indices where a later request of the response began: a tool turn, a
+    continuation after a restart or a failover), or v_t itself when every update re-prefilled the
+    in-flight requests (``reprefill``)."""
+    v = np.asarray(versions, dtype=np.int64)
+    if reprefill or v.size == 0:
+        return v.copy()
+    bounds = sorted({0, v.size, *(int(s) for s in starts if 0 < s < v.size)})
+    first = v[bounds[:-1]]
+    return np.repeat(first, np.diff(bounds))
+
+
+def group_kv_staleness(kv: Sequence[Sequence[int]], completed_at: Sequence[int]) -> float:
+    """Token-weighted K_kv of a group: mean over its tokens of (c(τ) − w_t), with ``kv`` the w_t of
+    each trajectory's tokens (`kv_versions`, over the model's own tokens)."""
+    if len(kv) != len(completed_at) or not kv:
+        raise ValueError("a group needs one completion version per trajectory, and at least one trajectory")
+    n = total = 0
+    for ws, c in zip(kv, completed_at):
+        w = _ints(ws)
+        if w.max() > c:
+            raise ValueError(f"KV version {w.max()} is newer than completion version {c}")
+        n += w.size
+        total += c * w.size - int(w.sum())
+    return total / n
 
 
 def versions_spanned(versions: Sequence[int]) -> int:

@@ -74,6 +74,7 @@ class GenerationMixin:
                 prompt_ids=self.tokenizer(prompt.text, add_special_tokens=False).input_ids,
                 answer=prompt.answer,
                 submitted_at=self.trainer_version,
+                kv_reprefill=self.cfg.rollout.kv_on_update == "recompute",
             )
             self._next_group_id += 1
             self.pool.on_submitted(group)

@@ -45,6 +45,7 @@ class ToolTurnsMixin:
         traj = pending.responses[idx]
         pending.turns[idx] = pending.turns.get(idx, 0) + 1
         pending.turn_start[idx] = len(traj)  # vLLM's spans of this request start here
+        traj.begin_request()  # prefilled anew: its tokens' context is this request's (KV staleness)
         prompt = {"prompt_token_ids": pending.group.prompt_ids + traj.response_ids.tolist(),
                   "cache_salt": engine_lib.cache_salt(self.engine_version)}
         params = self._turn_params(self.cfg.rollout.max_tokens - len(traj), calls=traj.tool_calls)

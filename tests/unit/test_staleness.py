@@ -242,3 +242,51 @@ def test_version_spans_run_length_encode_the_token_versions():
     assert version_spans([3, 3, 3]) == [3, 3]
     assert version_spans([0, 0, 1, 2, 2, 2]) == [0, 2, 1, 1, 2, 3]
     assert version_spans([]) == []
+
+
+# ---------------------------------------------------------------- KV staleness
+
+
+def test_kv_versions_hand_example() -> None:
+    """One request prefilled at v=2 spans updates to 4 (keep: its context stays at 2); a tool turn
+    starting at token 5 is a new request prefilled at 5."""
+    v = [2, 2, 3, 4, 4, 5, 5, 6]
+    assert staleness.kv_versions(v).tolist() == [2] * 8
+    assert staleness.kv_versions(v, starts=[5]).tolist() == [2, 2, 2, 2, 2, 5, 5, 5]
+    assert staleness.kv_versions(v, starts=[5], reprefill=True).tolist() == v
+    assert staleness.kv_versions(v, starts=[0, 8, 99]).tolist() == [2] * 8  # out-of-range starts change nothing
+    # K_kv of one trajectory completed at 6: mean(6 − w) = (5·4 + 3·1)/8; K_gen = mean(6 − v) = 17/8
+    g = make_group([v], [6])
+    g.trajectories[0].starts = [5]
+    assert abs(g.k_kv() - 23 / 8) < TOL and abs(g.k_gen() - 17 / 8) < TOL
+
+
+@settings(deadline=None)
+@given(group_versions(), st.data())
+def test_kv_staleness_bounds_generation_staleness(gv, data) -> None:
+    """Versions never go back within a response, so w_t ≤ v_t: K_kv ≥ K_gen, with equality when every
+    update re-prefilled (recompute); K_kv + K_wait is the context lag, exactly."""
+    versions, cs, step = gv
+    versions = [sorted(v) for v in versions]
+    g = make_group(versions, cs)
+    for t in g.trajectories:
+        t.starts = sorted(set(data.draw(st.lists(st.integers(1, max(len(t) - 1, 1)), max_size=3))))
+    k_kv, k_gen = g.k_kv(), g.k_gen()
+    assert k_kv >= k_gen - TOL
+    direct = [c - w for t, c in zip(g.trajectories, cs) for w in staleness.kv_versions(t.versions, t.starts)]
+    assert abs(k_kv - sum(direct) / len(direct)) < TOL
+    again = make_group(versions, cs)
+    again.kv_reprefill = True
+    assert abs(again.k_kv() - k_gen) < TOL
+
+
+def test_kv_versions_follow_the_model_tokens_of_a_tool_response() -> None:
+    """Tool output (not an action) is left out; the turn after it starts a request of its own."""
+    t = Trajectory([1, 2, 3, 4, 5], [0.0] * 5, [0, 1, 1, 2, 2], 2, "stop", action_mask=[True, True, False, True, True])
+    t.starts = [3]
+    assert t.kv_versions().tolist() == [0, 0, 2, 2]
+    t.truncate(2)
+    assert t.starts == [] and t.kv_versions().tolist() == [0, 0]
+    t.begin_request()
+    t.begin_request()  # twice at one length: one start
+    assert t.starts == [2]
