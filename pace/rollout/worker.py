@@ -53,6 +53,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self.fleet = fleet
         if self.fleet.version is None:
             self.fleet.set_version(0)  # vLLM labels tokens with it: the weights loaded (θ_0 until an update)
+        # recompute: in-flight requests are prefilled again at each update (docs/pool-policies.md "KV staleness")
+        self.fleet.reprefill_on_update = cfg.rollout.kv_on_update == "recompute"
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.pool = pool
@@ -96,6 +98,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._next_group_id = 0
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "pause_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
+                      "reprefill_tokens": 0,
                       "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0,
                       "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0,
                       "orphaned_responses": 0, "weights_checked": 0, "engine_restarts": 0, "engine_joins": 0}
@@ -229,6 +232,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             "rollout/rescore_cancelled": s["rescore_cancelled"] - last["rescore_cancelled"],
             # wall time in the interval when no group could start because the pool was full
             "rollout/capacity_wait_s": s["capacity_wait_s"] - last["capacity_wait_s"],
+            # rollout.kv_on_update=recompute: tokens prefilled again at the updates in the interval
+            "rollout/reprefill_tokens": s["reprefill_tokens"] - last.get("reprefill_tokens", 0),
         } | (self._tool_metrics(s, last) if self.tools is not None else {}) | self._engine_metrics()
 
     def _engine_metrics(self) -> dict:
@@ -335,6 +340,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             return False
         with update.lock:  # the trainer does not rewrite this slot meanwhile
             self._cancel_rescoring()
+            self._count_reprefill()
             seconds = self.fleet.update(update.version, update.info)
             self.stats["sync_s"] += seconds
             self.stats["pause_s"] += seconds
@@ -345,6 +351,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
     def begin_update(self) -> None:
         """Before new weights load (this thread): pending scores are dropped, the engines paused."""
         self._cancel_rescoring()
+        self._count_reprefill()
         self._paused_at = time.perf_counter()
         self.fleet.begin_update()
 
@@ -354,6 +361,20 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         finally:
             self.stats["pause_s"] += time.perf_counter() - self._paused_at
         self._updated(version, weights=None)
+
+    def _count_reprefill(self) -> None:
+        """recompute: the tokens the update makes the engines prefill again, as this thread sees them:
+        prompt + response so far of every response whose request has produced a token (a request
+        prefilled whose first token has not reached this thread yet is not counted; nor are scoring
+        and validation requests, prefilled again too)."""
+        if not self.fleet.reprefill_on_update:
+            return
+        n = 0
+        for pending in self._pending.values():
+            for idx, traj in pending.responses.items():
+                if traj.completed_at < 0 and idx not in pending.tool_wait and len(traj) > pending.turn_start.get(idx, 0):
+                    n += len(pending.group.prompt_ids) + len(traj)
+        self.stats["reprefill_tokens"] += n
 
     def _updated(self, version: int, weights) -> None:
         """After the weights of ``version`` loaded and were labelled: rescore, validate if due."""
