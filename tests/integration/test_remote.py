@@ -74,16 +74,20 @@ def _server_logprobs(url: str, ids: list[int]) -> list[float]:
 def test_a_run_on_two_servers(preset, servers, tiny_model_path, tmp_path):
     """5 steps on two servers: exact per-token versions (the servers' own labels, Lemma 1 on every
     logged group), the fates add up, each server's weight syncs timed; after the run both servers
-    hold the trainer's final weights (their log-probs are the checkpoint's)."""
+    hold the trainer's final weights (their log-probs are the checkpoint's). The PACE run has the
+    servers prefill their requests in flight again at each update (rollout.kv_on_update=recompute)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     urls = [s.url for s in servers]
-    proc = run_train([f"+exp={preset}", *SMALL, "trainer.steps=5", f"rollout.servers=[{','.join(urls)}]", "trainer.save_every=5"], tmp_path)
+    kv = "recompute" if preset == "pace_tiny" else "keep"  # the servers preempt their requests at each update
+    proc = run_train([f"+exp={preset}", *SMALL, "trainer.steps=5", f"rollout.servers=[{','.join(urls)}]", "trainer.save_every=5",
+                      f"rollout.kv_on_update={kv}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary, metrics, groups = _read(tmp_path)
     assert (summary["status"], summary["steps"], summary["engine_process"]) == ("finished", 5, "server")
-    check_staleness(groups)  # versions from the servers' weight_versions (the last chunk of each stream)
+    check_staleness(groups, kv=kv)  # versions from the servers' weight_versions (the last chunk of each stream)
+    assert (sum(m["rollout/reprefill_tokens"] for m in metrics) > 0) == (kv == "recompute")
     _check_fates(summary, groups)
     assert (groups.versions_spanned > 1).any()  # updates landed while responses were generated
     assert all(m["rollout/engines_alive"] == 2 for m in metrics)
