@@ -102,3 +102,28 @@ def test_summarize_reads_a_run_logged_before_k_kv(tmp_path, capsys):
     assert load_run(d).groups.sort_values("id").k_kv.isna().tolist() == [True, False]
     assert summarize(str(d))
     assert "K_kv >= K_gen on 1 groups: 0 violate it  ok" in capsys.readouterr().out.splitlines()
+
+
+def test_the_simulator_logs_the_mean_k_kv_of_the_consumed_groups(monkeypatch):
+    """The simulator's step row: the mean `SimGroup.k_kv()` of the step's consumed groups. Where the
+    simulated group has no K_kv of its own yet, a stand-in here: every token's context is its
+    response's first version (one request per response, no preemption counted)."""
+    import numpy as np
+
+    from pace.sim.records import SimGroup
+    from pace.sim.run import Simulation
+    from tests.unit.test_sim import NOISY, sim_cfg
+
+    if "k_kv" not in SimGroup.__dict__:
+        def k_kv(g):
+            n, cn = sum(g.lengths), sum(c * m for c, m in zip(g.done_at.tolist(), g.lengths))
+            return (cn - sum(s[0] * m for s, m in zip(g.spans, g.lengths))) / n
+        monkeypatch.setattr(SimGroup, "k_kv", k_kv, raising=False)
+    decided = []
+    sim = Simulation(sim_cfg(*NOISY, "pool.name=async"), on_step=lambda step, m, d: decided.extend(d))
+    sim.run()
+    for j, row in enumerate(sim.rows):
+        consumed = [g for g in decided if g.fate == Fate.CONSUMED and g.step == j]
+        assert row["staleness/k_kv_mean"] == pytest.approx(np.mean([g.k_kv() for g in consumed]), abs=1e-12)
+        assert row["staleness/k_kv_mean"] >= row["staleness/k_gen_mean"] - 1e-12
+    assert any(r["staleness/k_kv_mean"] > r["staleness/k_gen_mean"] + 1e-6 for r in sim.rows)  # not K_gen again
