@@ -26,7 +26,8 @@ CAPTIONS = {
     "consumed_staleness": ("Staleness of the data each method trained on (Figure 7)",
                            "Waiting, Generation and Effective Staleness of consumed groups, PACE and Async. Async's "
                            "Effective Staleness exists only in runs that recorded it (`pool.record_effective=0.125`: that "
-                           "share of the groups; 1: all); the panel says when it was not recorded."),
+                           "share of the groups; 1: all); the panel says when it was not recorded. A fourth panel, the KV "
+                           "Staleness K_kv (the oldest weights in a token's context), when the runs logged it."),
     "pool_over_time": ("The pool over time",
                        "Groups waiting in the pool at each training step (left, log scale; dashed: PACE's "
                        "target occupancy n*), and the groups PACE rejects per step to hold the pool near it (right). "

@@ -30,7 +30,7 @@ def group_schema():
     i, f, s = pa.int64(), pa.float64(), pa.string()
     return pa.schema([
         ("id", i), ("prompt_id", s), ("fate", s), ("reason", s), ("step", i), ("submitted_at", i),
-        ("c", i), ("k", f), ("k_gen", f), ("k_wait", f), ("pfs", f), ("u", f), ("s_eff", f),
+        ("c", i), ("k", f), ("k_gen", f), ("k_kv", f), ("k_wait", f), ("pfs", f), ("u", f), ("s_eff", f),
         ("score", f), ("rho", f), ("budget", i), ("pfs_version", i), ("reward_mean", f),
         ("reward_std", f), ("acc_mean", f), ("len_mean", f), ("len_max", i),
         ("lengths", pa.list_(i)), ("num_tokens", i), ("versions_spanned", i),
@@ -51,7 +51,7 @@ def group_row(group: Group) -> dict:
         "reason": group.reason,
         "step": group.step,
         "submitted_at": group.submitted_at,
-        "c": None, "k": None, "k_gen": None, "k_wait": None,
+        "c": None, "k": None, "k_gen": None, "k_kv": None, "k_wait": None,
         "pfs": group.pfs,
         "u": group.scores.get("u"),
         "s_eff": group.scores.get("s_eff"),
@@ -91,6 +91,7 @@ def group_row(group: Group) -> dict:
         )
         if group.step is not None:
             row["k"], row["k_gen"], row["k_wait"] = group.staleness(group.step)
+            row["k_kv"] = group.k_kv()  # KV staleness (≥ K_gen): the oldest weights in each token's context
     return row
 
 

@@ -298,6 +298,7 @@ class Simulation:
             "train/action_len": float(lens.mean()),
             "staleness/k_mean": float(ks[:, 0].mean()),
             "staleness/k_gen_mean": float(ks[:, 1].mean()),
+            "staleness/k_kv_mean": float(np.mean([g.k_kv() for g in groups])),  # KV staleness (≥ K_gen)
             "staleness/k_wait_mean": float(ks[:, 2].mean()),
             "staleness/k_max": float(ks[:, 0].max()),
             "pool/occupancy": self.pool.occupancy,
