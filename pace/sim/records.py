@@ -54,7 +54,10 @@ class SimGroup(Group):
             vj = s[0] * s[1] if len(s) == 2 else sum(a * b for a, b in zip(s[0::2], s[1::2]))
             v += vj
             cn += c * m
-            w += vj if self.kv_reprefill else span_kv_sum(s, self.kv_starts.get(j, ()))
+            if self.kv_reprefill:
+                w += vj
+            else:  # one engine run (the common case): every token attends to its first token's version
+                w += s[0] * m if j not in self.kv_starts else span_kv_sum(s, self.kv_starts[j])
         self._sums = (n, v, cn, w)
 
     @property
