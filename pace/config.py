@@ -209,6 +209,7 @@ class PaceConfig:
     selection: str = "pool"
     # Rank by the KV staleness K_kv instead of K_gen in the effective score, S_eff = K_wait + u^γ K_kv
     # (docs/pool-policies.md "KV staleness"): tokens written on an older context count as old as it.
+    # raw and generation take K_kv in K_gen's place too, and pool.record_effective records this S_eff.
     # The same as K_gen under rollout.kv_on_update=recompute.
     kv_aware: bool = False
 
