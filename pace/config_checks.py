@@ -115,6 +115,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"pool.capacity={cap} is below data.batch_prompts={cfg.data.batch_prompts}: a batch could never form")
     if cap is not None and cfg.pool.name == "pace" and target_pool(cfg) > cap:
         raise ConfigError(f"pace.target_pool={cfg.pace.target_pool} is above pool.capacity={cap}: the target is unreachable")
+    if not 0 <= cfg.rollout.kv_probe <= 1:
+        raise ConfigError(f"rollout.kv_probe must be in [0, 1] (a share of spanning responses; 0: off), got {cfg.rollout.kv_probe}")
     if not 0 <= cfg.pool.record_effective <= 1:
         raise ConfigError(f"pool.record_effective must be in [0, 1] (a share of groups; 0: off), got {cfg.pool.record_effective}")
     if cfg.trainer.max_sync_mismatch is not None and not cfg.trainer.max_sync_mismatch > 0:

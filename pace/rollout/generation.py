@@ -97,6 +97,10 @@ class GenerationMixin:
                 if out.finished:
                     self._consume_score(out)
                 continue
+            if rid.kind == request_ids.KV_PROBE:  # not generation: no token counted
+                if out.finished:
+                    self._consume_kv_probe(out)
+                continue
             if rid.kind == request_ids.VALIDATION:
                 self._val[0].on_output(out)
                 continue
@@ -120,6 +124,7 @@ class GenerationMixin:
                 pending.tool_wait.add(idx)
                 self.tools.submit((gid, idx), traj.response_ids[pending.code_from.get(idx, 0):].tolist(), left)
             elif out.finished:
+                self._maybe_probe_kv(pending.group, idx, traj)  # versions final: pace/rollout/kv_probe.py
                 self._finish_response(pending, traj)
 
     def _record_spans(self, traj: Trajectory, start: int, spans) -> None:
