@@ -17,7 +17,8 @@ def test_spanning_responses_are_probed_under_the_new_weights_and_pending_probes_
     """With keep (the default), a response that spans θ_0 → θ_1 generates its θ_1 tokens on θ_0's KV:
     the probe's mean |ℓ^μ − ℓ_fresh| over them must equal the one against the new model run on the
     whole sequence (HF), be clearly above the float floor, and its probes count no generated token.
-    A probe still pending when the next update lands is aborted, not measured."""
+    A probe still pending when the next update lands is aborted, not measured. Across an update to
+    equal values the gap is the float floor (what recompute must give)."""
     from omegaconf import OmegaConf
 
     from pace.config import Config
@@ -93,4 +94,16 @@ def test_spanning_responses_are_probed_under_the_new_weights_and_pending_probes_
         drain()
         # responses finishing now end at θ_3; the ones spanning θ_2 → θ_3 on θ_3 tokens only
         assert worker.stats["kv_probe_tokens"] >= before and not worker._kv_probes
+        worker.metrics()
+
+        # an update to equal values (θ_4 = θ_3): the stale KV is the fresh one, the gap the float floor
+        pool.policy.max_inflight_groups = 6
+        assert worker._admit()
+        for _ in range(4):
+            worker._consume(worker.fleet.step())
+        worker.post_weights(4, weights)
+        assert worker._apply_update()
+        drain()
+        floor = worker.metrics()
+        assert floor["mismatch/kv_tokens"] > 0 and floor["mismatch/kv_abs_logp_diff"] < 1e-4, floor
     load_weights(llm, weights)  # leave the shared engine as it was
