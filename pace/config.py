@@ -87,7 +87,8 @@ class RolloutConfig:
     # spans an update (drawn from data.seed) is prefilled again whole when it finishes, under the
     # weights of its last token; the mean |ℓ^μ − ℓ_fresh| of its tokens generated after the update is
     # `mismatch/kv_abs_logp_diff` (their count `mismatch/kv_tokens`): the cost of keep's stale
-    # context, the float floor under recompute. One prefill each, ahead of generation. 0: off
+    # context, the float floor under recompute. One prefill each, ahead of generation. Needs
+    # rollout.temperature=1 (vLLM's prompt log-probs are untempered). 0: off
     kv_probe: float = 0.0
     weight_delta: bool = False  # after a full sync, send only the elements whose engine-dtype value changed (docs/weight-sync.md)
     full_sync_every: int = 100  # with weight_delta: a full sync every N versions (0: only at start, resume and engine join)

@@ -17,7 +17,9 @@ under those weights; over the probed tokens
 
 the mean |ℓ^μ_t − ℓ_fresh_t| is `mismatch/kv_abs_logp_diff` (per logged step, over the probes
 returned since the last one; NaN when none did) and |P| is `mismatch/kv_tokens`. With
-`recompute` it is the float floor (the running requests were prefilled again at the update).
+`recompute` it is the float floor (the running requests were prefilled again at the update). The
+probe's prompt log-probs are untempered and ℓ^μ is the sampled distribution's, so it runs at
+rollout.temperature = 1 only (pace/config_checks.py).
 
 Exactness: a probe is computed by the weights it is labelled with, or dropped (counted in
 `kv_probe_cancelled`): the pending ones are aborted before new weights load (`_cancel_kv_probes`,

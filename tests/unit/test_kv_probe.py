@@ -69,6 +69,18 @@ def test_the_config_check_names_the_key(value):
         validate(compose_cfg([f"rollout.kv_probe={value}"]))
 
 
+def test_the_probe_needs_temperature_1():
+    """ℓ^μ is tempered (processed log-probs); a probe's prompt log-probs are not: the gap would be the
+    temperature's, not the stale context's."""
+    from pace.config_checks import validate
+    from pace.errors import ConfigError
+    from tests.helpers import compose_cfg
+
+    validate(compose_cfg(["rollout.temperature=0.7"]))
+    with pytest.raises(ConfigError, match=r"rollout\.kv_probe .* needs rollout\.temperature=1"):
+        validate(compose_cfg(["rollout.kv_probe=0.5", "rollout.temperature=0.7"]))
+
+
 # ---------------------------------------------------------------- the mixin on a stand-in fleet
 
 class _Fleet:
