@@ -76,10 +76,13 @@ def test_i_does_not_hold_when_recompute_learns_worse_or_keeps_the_error():
     assert stale["parts"]["pace_error"] == "does not hold" and stale["verdict"] == "does not hold"
 
 
-def test_i_is_inconclusive_when_the_learning_spread_straddles_the_margin():
+def test_i_is_inconclusive_when_the_learning_spread_straddles_the_margin_and_says_the_seeds_it_needs():
+    from analysis.report import _needs
+
     i = claims.evaluate_claims(_study(rec_score=(0.06, -0.06, 0.01)))["i_kv_recompute"]
     assert i["parts"]["async_score"] == "inconclusive" and i["parts"]["async_error"] == "holds"
     assert i["verdict"] == "inconclusive"
+    assert "async score: about" in _needs("i_kv_recompute", i) or "async score: more than" in _needs("i_kv_recompute", i)
 
 
 def test_i_cost_leaves_out_runs_not_measured_alone_and_is_not_tested_without_its_runs():
