@@ -367,7 +367,7 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
             continue
         lines += [f"- {name}: {_verdict(c)}. {_claim_text(key, c)}{_needs(key, c)}".rstrip(), ""]
     if absent:
-        lines += [f"- Not tested (this study has none of the runs they need): {'; '.join(absent)}.", ""]
+        lines += [f"- Not tested here: {'; '.join(absent)}.", ""]
     lines += _summary(numbers["claims"])
     lines += kv_table(numbers.get("kv") or {})
     lines += _moved(numbers)

@@ -72,7 +72,7 @@ def test_the_kv_study_reports_claims_e_and_i_and_skips_the_claims_it_has_no_runs
     text = (out / "report.md").read_text()
     assert "- (e) PACE reaches" in text and "validated every 2 steps (11 validations a run" in text
     assert "- (i) Keeping the KV cache" in text and "recompute − keep" in text
-    assert "- Not tested (this study has none of the runs they need): (a) needs Stale-k" in text
+    assert "- Not tested here: (a) needs Stale-k" in text
     assert "**not tested**" not in text and "(d) needs PACE and PACE (raw)" in text
     kv_rows = [line for line in text.splitlines() if line.startswith("| ") and "K_kv" not in line and "---" not in line
                and line.split(" | ")[0][2:] in numbers["kv"]]
