@@ -50,7 +50,13 @@ class Run(Labelled):
 
 
 def method_label(cfg: dict) -> str:
-    """The method's name in figures and tables, from the config: Sync, Async, Stale-4, PACE γ=2, …"""
+    """The method's name in figures and tables, from the config: Sync, Async, Stale-4, PACE γ=2, …;
+    " (recompute)" after it for a run with `rollout.kv_on_update=recompute` (without the key: keep)."""
+    kv = (cfg.get("rollout") or {}).get("kv_on_update", "keep")
+    return _method(cfg) + (" (recompute)" if kv == "recompute" else "")
+
+
+def _method(cfg: dict) -> str:
     pool, algo, pace = cfg.get("pool", {}), cfg.get("algo", {}), cfg.get("pace", {})
     if algo.get("name") == "m2po":
         return "M2PO" if algo.get("m2po_variant", "paper") == "paper" else "M2PO (adaptive clip)"
