@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.runs import load_run, recomputed_staleness  # noqa: E402
+from analysis.runs import load_run, recomputed_kv, recomputed_staleness  # noqa: E402
 
 PHASES = ["time/step", "time/generate", "time/wait_data", "time/train", "time/sync"]
 
@@ -78,6 +78,13 @@ def summarize(run_dir: str, window: int = 20) -> bool:
             print(f"K, K_gen, K_wait recomputed from per-token version spans: max error {err:.2e}  "
                   f"{'ok' if agree else 'FAILED'}")
             ok &= agree
+            kv = [(row.k_kv, recomputed_kv(row)) for _, row in decided.iterrows() if "k_kv" in row and row.k_kv == row.k_kv]
+            kv = [(a, b) for a, b in kv if b is not None]
+            if kv:  # runs logged before the request starts have none
+                err = max(abs(a - b) for a, b in kv)
+                print(f"K_kv recomputed from the version spans and request starts: max error {err:.2e}  "
+                      f"{'ok' if err <= 1e-9 else 'FAILED'}")
+                ok &= err <= 1e-9
     fates = run.summary.get("fates")
     if fates:
         total = sum(v for k, v in fates.items() if k != "submitted")

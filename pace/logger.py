@@ -37,6 +37,7 @@ def group_schema():
         ("num_actions", i), ("tool_calls", pa.list_(i)), ("tool_errors", i),
         ("completed_at", pa.list_(i)), ("version_spans", pa.list_(pa.list_(i))), ("resumed_tokens", pa.list_(i)),
         ("engine", pa.list_(i)),
+        ("request_starts", pa.list_(pa.list_(i))), ("kv_reprefill", pa.bool_()),
     ])
 
 
@@ -75,6 +76,11 @@ def group_row(group: Group) -> dict:
         "resumed_tokens": [t.resumed for t in trajs],
         # per response: the rollout engine that served all of it (−1: several, or unknown)
         "engine": [t.engine for t in trajs],
+        # per response: where (in model tokens, as the spans count) a later engine request began (a
+        # tool turn, a continuation), and whether every update re-prefilled the group's requests
+        # (rollout.kv_on_update=recompute): with the spans, K_kv follows (pace/staleness.py)
+        "request_starts": [t.action_starts for t in trajs],
+        "kv_reprefill": group.kv_reprefill,
     }
     complete = len(trajs) == len(group.trajectories) and trajs and all(t.completed_at >= 0 for t in trajs)
     if complete:

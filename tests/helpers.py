@@ -54,9 +54,9 @@ def wait_for_rows(proc, run_dir: Path, rows: int, timeout: float = 300) -> None:
 def check_staleness(groups, kv: str | None = None) -> None:
     """Every decided, complete group: the logged staleness equals the recomputed one, no token is
     newer than its response's completion, and no response completed after the step it was decided.
-    Its KV staleness is at least K_gen; ``kv``: the run's rollout.kv_on_update, with which it is
-    recomputed too (keep: every response one request, its context the first token's version)."""
-    from analysis.runs import recomputed_staleness
+    Its KV staleness is at least K_gen and recomputed from the spans and request starts; ``kv``: the
+    run's rollout.kv_on_update, which every group's record must say."""
+    from analysis.runs import recomputed_kv, recomputed_staleness
 
     decided = groups.dropna(subset=["k"])
     assert len(decided) > 0
@@ -68,12 +68,11 @@ def check_staleness(groups, kv: str | None = None) -> None:
         if kv is None and "k_kv" not in row:
             continue
         assert row.k_kv >= row.k_gen - 1e-9, row.id
+        assert abs(row.k_kv - recomputed_kv(row)) < 1e-9, row.id  # from the spans and the request starts
+        if kv is not None:
+            assert bool(row.kv_reprefill) == (kv == "recompute"), row.id
         if kv == "recompute":
             assert abs(row.k_kv - row.k_gen) < 1e-9, row.id
-        elif kv == "keep":
-            n = sum(sum(spans[1::2]) for spans in row.version_spans)
-            lag = sum((c - spans[0]) * sum(spans[1::2]) for spans, c in zip(row.version_spans, row.completed_at))
-            assert abs(row.k_kv - lag / n) < 1e-9, row.id
 
 
 def check_continued(state: dict, groups, version: int, later: dict | None = None) -> tuple[int, int]:

@@ -15,8 +15,8 @@ turns and its abort follow it.
 
 Weight updates (`update`) go through vLLM's weight-transfer RPCs on every engine, each between a
 `pause_scheduler(mode="keep")` and a `resume_scheduler` of that engine (in-flight requests keep
-their KV and continue under the new weights; with `reprefill_on_update` their KV is dropped at the
-pause and they are prefilled again under the new weights), and each engine's outputs are stamped by
+their KV and continue under the new weights; with `reprefill_on_update` their KV is dropped after the
+load and they are prefilled again under the new weights), and each engine's outputs are stamped by
 vLLM with the version set by `set_weight_version` (`CompletionOutput.weight_versions`).
 """
 from __future__ import annotations
@@ -344,9 +344,6 @@ class EngineFleet(Fleet):
             if child:  # its core steps on its own: hold it between two steps (requests kept)
                 e.engine_core.call_utility("pause_scheduler", "keep", False)
         try:
-            if self.reprefill_on_update:  # (in process no step runs before the resume either)
-                for e, child in zip(self.engines, self.child):
-                    _preempt_running(e, child)
             self.collective_rpc("start_weight_update")
         except BaseException:
             self._resume()
@@ -357,6 +354,9 @@ class EngineFleet(Fleet):
 
     def _finish_update(self) -> None:
         self.collective_rpc("finish_weight_update")
+        if self.reprefill_on_update:  # after the load: an in-process engine may step between an update's calls
+            for e, child in zip(self.engines, self.child):
+                _preempt_running(e, child)
 
     def _update_failures(self) -> list:
         return self.collective_rpc("pace_weight_update_failure")

@@ -138,6 +138,9 @@ def group_columns(groups: list[SimGroup]) -> dict[str, list]:
             "version_spans": grp.spans if complete else [],
             "resumed_tokens": [0] * len(lengths),  # the simulator has no restarts
             "engine": [-1] * len(lengths),  # nor engine indices
+            # where a preempted response was prefilled again (its context from there on is that version's)
+            "request_starts": [sorted(grp.kv_starts.get(j, [])) for j in range(len(lengths))],
+            "kv_reprefill": grp.kv_reprefill,
         }
         for name in _COLUMNS:
             cols[name].append(add[name])
@@ -147,4 +150,4 @@ def group_columns(groups: list[SimGroup]) -> dict[str, list]:
 _COLUMNS = ("id", "prompt_id", "fate", "reason", "step", "submitted_at", "c", "k", "k_gen", "k_kv", "k_wait", "pfs",
             "u", "s_eff", "score", "rho", "budget", "pfs_version", "reward_mean", "reward_std", "acc_mean", "len_mean",
             "len_max", "lengths", "num_tokens", "versions_spanned", "num_actions", "tool_calls", "tool_errors",
-            "completed_at", "version_spans", "resumed_tokens", "engine")
+            "completed_at", "version_spans", "resumed_tokens", "engine", "request_starts", "kv_reprefill")

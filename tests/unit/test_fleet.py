@@ -58,16 +58,18 @@ def test_an_update_pauses_loads_checks_labels_and_resumes_every_engine_in_that_o
                                   "pace_weight_update_failure", "label 7", "resume_scheduler"]
 
 
-def test_with_recompute_an_update_drops_the_kv_of_the_running_requests_before_the_load():
-    """rollout.kv_on_update=recompute: between the pause and the load each engine preempts its running
+def test_with_recompute_an_update_drops_the_kv_of_the_running_requests_after_the_load():
+    """rollout.kv_on_update=recompute: after the load, before the resume, each engine preempts its running
     requests (vLLM `reset_prefix_cache(reset_running_requests=True)`): they are prefilled again under
-    the new weights when it resumes. keep (the default): not called."""
+    the new weights when it resumes (an in-process engine may step between an update's calls, so not
+    before the load). keep (the default): not called."""
     log = []
     fleet = EngineFleet([_LLM(0, log), _LLM(1, log)])
     fleet.reprefill_on_update = True
     fleet.update(2, {})
     for e in (0, 1):
-        assert _calls(log, e)[:3] == ["pause_scheduler", "reset_prefix_cache", "start_weight_update"]
+        assert _calls(log, e)[:5] == ["pause_scheduler", "start_weight_update", "update_weights", "finish_weight_update",
+                                      "reset_prefix_cache"]
     log.clear()
     fleet.reprefill_on_update = False
     fleet.update(3, {})
