@@ -117,6 +117,7 @@ def build(runs: list[Run], out: Path, within: int | None = None, report: bool = 
                       "avg_interval": {label: interval([b["avg"] for b in rows]) for label, rows in where.items()}},
         "seconds_per_step": figures.phase_means(runs),
         "val_noise": val_noise(runs),
+        "kv": kv_staleness(runs),
         "claims": evaluate_claims(runs, incomparable),
         "incomparable": sorted(incomparable & {r.name for r in runs}),
         "figures": made, "skipped": skipped,
@@ -192,11 +193,37 @@ def val_noise(runs: list[Run]) -> dict | None:
     return {"runs": len(v0), "min": min(v0), "max": max(v0), "std": float(np.std(v0, ddof=1))}
 
 
+def kv_staleness(runs: list[Run]) -> dict:
+    """Per method (means over its runs), what the KV cache's staleness cost: the consumed groups' K_gen
+    and K_kv (groups column `k_kv`), the KV probe's tokens per step and its error per token
+    (`claims.stale_context_error`), the tokens re-prefilled per step; {} when no run logged any of it."""
+    from analysis.claims import KV_TOKENS, REPREFILL, stale_context_error
+
+    def consumed(r: Run, col: str):
+        g = r.groups
+        return float(g.loc[g.fate == "consumed", col].mean()) if not g.empty and col in g and "fate" in g else None
+
+    def per_step(r: Run, key: str):
+        return float(r.steps[key].fillna(0).mean()) if key in r.steps else None
+
+    def mean(xs) -> float | None:
+        xs = [x for x in xs if x is not None and x == x]
+        return sum(xs) / len(xs) if xs else None
+
+    fns = {"k_gen": lambda r: consumed(r, "k_gen"), "k_kv": lambda r: consumed(r, "k_kv"),
+           "kv_tokens_per_step": lambda r: per_step(r, KV_TOKENS), "kv_error": stale_context_error,
+           "reprefill_tokens_per_step": lambda r: per_step(r, REPREFILL)}
+    out = {label: {k: mean(fn(r) for r in rs) for k, fn in fns.items()} for label, rs in figures.by_label(runs).items()}
+    logged = any(v is not None for row in out.values() for k, v in row.items() if k != "k_gen")
+    return {label: {**row, "runs": len(figures.by_label(runs)[label])} for label, row in out.items()} if logged else {}
+
+
 def setup_of(runs: list[Run]) -> dict:
     """The settings the runs share (from the first run's config; `varies` lists those that differ)."""
     keys = {"model": "model.path", "data": "data.source", "B": "data.batch_prompts", "G": "data.group_size",
             "max_tokens": "rollout.max_tokens", "lr": "trainer.lr", "eval_k": "eval.k", "eval_every": "eval.every",
-            "eval_problems": "eval.val_max_problems", "eval_sets": "eval.benchmarks"}
+            "eval_problems": "eval.val_max_problems", "eval_sets": "eval.benchmarks",
+            "kv_on_update": "rollout.kv_on_update", "kv_probe": "rollout.kv_probe"}
 
     def get(cfg: dict, dotted: str):
         for part in dotted.split("."):

@@ -1,6 +1,7 @@
 """The paper's small-scale claims as numbers from the logs, each decided by a rule fixed here before
 the study's runs are looked at: (a)–(d) first, then (e)–(h), whose rules were committed before any
-run was made or read for them (git log of this file).
+run was made or read for them (git log of this file), then (i), on the KV cache kept or recomputed
+at a weight update, committed before the runs that decide it (and (e) on them) were made.
 
 Every claim is decided on an interval over seeds: one number per seed (a paired difference where
 two methods are compared; runs are paired by seed), then the 95% Student-t interval of their mean,
@@ -56,6 +57,24 @@ mean ± t(0.975, n−1) · sd / √n. The verdict is three-valued:
     points of accuracy). Holds if all four intervals lie inside; does not hold if any lies wholly
     outside (beyond +margin or below −margin); otherwise inconclusive. (A 95% interval inside the
     margin is stricter than the two one-sided tests at 5%, which use the 90% interval.)
+
+
+(i) Keeping the KV cache across a weight update (`rollout.kv_on_update=keep`, the default) learns as
+    well as recomputing it (`recompute`: every in-flight request prefilled again under the new
+    weights at each update), for Async and for PACE; recomputing removes the stale-context error of
+    the tokens generated after an update. Per method m in (Async, PACE), runs paired by seed, per
+    seed "m (recompute)" minus m (the label of a recompute run: `analysis.runs.method_label`) of
+    - the stale-context error: per run, the mean of `mismatch/kv_abs_logp_diff` over its steps
+      weighted by `mismatch/kv_tokens` (the KV probe's mean |ℓ^μ − ℓ_fresh| over the post-update
+      tokens of the spanning responses it rescored right after they finished: a token-weighted mean
+      over the run); claim < 0. A run that probed no token leaves its seed out of this part;
+    - the learning score of (c); claim within ±EQUIV_VAL (the 2-point margin of (c), (g) and (h)),
+      does not hold when the interval lies wholly outside.
+    Holds if all four parts (two per method) hold; does not hold if any does not; otherwise
+    inconclusive. Reported beside the verdict, not part of it: the cost, the ratio recompute over
+    keep of seconds per step after the warm-up of (c) (a seed with a run not measured alone left
+    out), and the mean `rollout/reprefill_tokens` per step of the recompute runs. Without the
+    probe's metric in any of these runs (`rollout.kv_probe` 0) the claim is not tested.
 
 A claim whose runs are missing is reported as not tested. Every number comes from `Run` records.
 """
@@ -135,9 +154,9 @@ def _by_seed(runs: list[Run]) -> dict[int, Run]:
 
 
 def _paired(a: list[Run], b: list[Run], fn) -> tuple[dict[int, float], dict[int, float], list[float], list[int]]:
-    """fn on each run of a and b; the per-seed differences a − b over the seeds both have."""
+    """fn on each run of a and b; the per-seed differences a − b over the seeds both have (fn None: not had)."""
     fa, fb = {s: fn(r) for s, r in _by_seed(a).items()}, {s: fn(r) for s, r in _by_seed(b).items()}
-    seeds = sorted(set(fa) & set(fb))
+    seeds = sorted(s for s in set(fa) & set(fb) if fa[s] is not None and fb[s] is not None)
     return fa, fb, [fa[s] - fb[s] for s in seeds], seeds
 
 
@@ -263,7 +282,10 @@ def earlier_peak(groups: dict[str, list[Run]], incomparable: frozenset[str] = fr
         iv[other] = interval(diffs)
         parts[f"earlier_than_{other.lower()}"] = below(iv[other], 0.0)
     peak = {label: _mean(float(r.val["val/avg"].max()) for r in keep(label)) for label in ("PACE", "Sync", "Async")}
+    used = [r for label in ("PACE", "Sync", "Async") for r in keep(label)]
     out = {"seeds": seeds, "time_to_peak_s": {k: _mean(v.values()) for k, v in t.items()}, "peak": peak,
+           "eval_every": sorted({(r.config.get("eval") or {}).get("every") for r in used}, key=str),
+           "validations_per_run": sorted({len(r.val) for r in used}),
            "left_out": sorted(r.name for label in ("PACE", "Sync", "Async") for r in groups.get(label, [])
                               if r.name in incomparable),
            "parts": parts, "quantity": "per seed, PACE minus Sync / Async: wall seconds to the peak validation",
@@ -338,10 +360,59 @@ def gamma_equivalence(groups: dict[str, list[Run]]) -> dict:
     return _decided(out, combine(list(parts.values())))
 
 
+KV_ERROR, KV_TOKENS, REPREFILL = "mismatch/kv_abs_logp_diff", "mismatch/kv_tokens", "rollout/reprefill_tokens"
+
+
+def stale_context_error(r: Run) -> float | None:
+    """The KV probe's |ℓ^μ − ℓ_fresh| per post-update token over the run (None: no token probed)."""
+    if KV_ERROR not in r.steps or KV_TOKENS not in r.steps:
+        return None
+    d = r.steps[[KV_ERROR, KV_TOKENS]].dropna()
+    d = d[d[KV_TOKENS] > 0]
+    n = float(d[KV_TOKENS].sum())
+    return float((d[KV_ERROR] * d[KV_TOKENS]).sum() / n) if n > 0 else None
+
+
+def _after_warmup(key: str, warmup: int = 5):
+    return lambda r: float(r.steps[key].iloc[min(warmup, len(r.steps) // 2):].mean()) if key in r.steps else None
+
+
+def kv_recompute(groups: dict[str, list[Run]], incomparable: frozenset[str] = frozenset()) -> dict:
+    methods = ("Async", "PACE")
+    pairs = {m: (groups.get(m, []), groups.get(f"{m} (recompute)", [])) for m in methods}
+    if not all(keep and rec for keep, rec in pairs.values()):
+        return {"tested": False, "why": "needs Async, PACE, Async (recompute) and PACE (recompute) runs"}
+    if all(stale_context_error(r) is None for keep, rec in pairs.values() for r in keep + rec):
+        return {"tested": False, "why": f"needs the KV probe's {KV_ERROR} (rollout.kv_probe > 0)"}
+    alone = lambda rs: [r for r in rs if r.name not in incomparable]  # noqa: E731
+    iv, parts, per, cost = {}, {}, {}, {}
+    for m, (keep, rec) in pairs.items():
+        score, metric = _scorer(keep + rec)
+        e_r, e_k, e_d, e_seeds = _paired(rec, keep, stale_context_error)
+        s_r, s_k, s_d, s_seeds = _paired(rec, keep, score)
+        t_r, t_k, _, t_seeds = _paired(alone(rec), alone(keep), _after_warmup("time/step"))
+        m_ = m.lower()
+        iv[f"{m_}_error"], iv[f"{m_}_score"] = interval(e_d), interval(s_d)
+        parts[f"{m_}_error"], parts[f"{m_}_score"] = below(iv[f"{m_}_error"], 0.0), within(iv[f"{m_}_score"], EQUIV_VAL)
+        reprefill = [float(r.steps[REPREFILL].mean()) for r in rec if REPREFILL in r.steps]
+        cost[m] = {"time_ratio": interval([t_r[s] / t_k[s] for s in t_seeds]), "reprefill_tokens": interval(reprefill),
+                   "seconds_per_step": {"keep": _mean(t_k.values()), "recompute": _mean(t_r.values())}}
+        per[m] = {"error": {"keep": _mean(e_k.values()), "recompute": _mean(e_r.values())}, "error_seeds": e_seeds,
+                  "score": {"keep": _mean(s_k.values()), "recompute": _mean(s_r.values())}, "score_seeds": s_seeds,
+                  "score_metric": metric, "time_seeds": t_seeds}
+    out = {"methods": per, "cost": cost, "margin": EQUIV_VAL, "parts": parts,
+           "seeds": sorted({s for p in per.values() for s in p["error_seeds"] + p["score_seeds"]}),
+           "quantity": "per seed, recompute minus keep (stale-context error per post-update token; learning score)",
+           "interval": iv}
+    return _decided(out, combine(list(parts.values())))
+
+
 def evaluate_claims(runs: list[Run], incomparable: frozenset[str] = frozenset()) -> dict:
-    """Every claim; ``incomparable``: names of runs whose wall time was not measured alone ((e) leaves them out)."""
+    """Every claim; ``incomparable``: names of runs whose wall time was not measured alone ((e), and (i)'s
+    cost, leave them out)."""
     groups = by_label(runs)
     return {"a_stale_k": stale_k(groups), "b_backlog": backlog(groups),
             "c_pace_vs_async": pace_vs_async(groups), "d_long_rejections": long_rejections(groups),
             "e_time_to_peak": earlier_peak(groups, frozenset(incomparable)), "f_rejected_staler": rejected_staler(groups),
-            "g_score_ablation": score_ablation(groups), "h_gamma": gamma_equivalence(groups)}
+            "g_score_ablation": score_ablation(groups), "h_gamma": gamma_equivalence(groups),
+            "i_kv_recompute": kv_recompute(groups, frozenset(incomparable))}

@@ -108,6 +108,7 @@ def _hist(ax, series: dict[str, np.ndarray], colors: dict[str, str]) -> None:
 
 
 EFFECTIVE = ("s_eff", "Effective Staleness $S_{eff}$")
+KV = ("k_kv", "KV Staleness $K_{kv}$")  # docs/pool-policies.md#kv-staleness
 
 
 def decision_window(g: pd.DataFrame, window: int | None, start: int | None) -> tuple[pd.DataFrame, str]:
@@ -146,7 +147,8 @@ def pace_retained_vs_rejected(runs: list[Run], label: str = "PACE", window: int 
 def consumed_staleness(runs: list[Run], labels=("Async", "PACE")):
     """Waiting, Generation and Effective Staleness of the groups each method trained on (Figure 7),
     PACE and Async side by side, or the one present. Async's groups have an Effective Staleness
-    only when its run recorded one (`pool.record_effective`); the panel says which method lacks it."""
+    only when its run recorded one (`pool.record_effective`); the panel says which method lacks it.
+    A fourth panel, the KV Staleness K_kv, when the runs logged it (runs before it have no `k_kv`)."""
     data = {}
     for label, rs in by_label(runs).items():
         frames = [r.groups for r in rs if not r.groups.empty]
@@ -155,8 +157,11 @@ def consumed_staleness(runs: list[Run], labels=("Async", "PACE")):
             data[label] = g[g.fate == "consumed"]
     if not data:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, (col, title) in zip(axes, [*STALENESS, EFFECTIVE]):
+    panels = [*STALENESS, EFFECTIVE]
+    if any("k_kv" in v and v.k_kv.notna().any() for v in data.values()):
+        panels.append(KV)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    for ax, (col, title) in zip(axes, panels):
         present = {k: v[col].dropna().to_numpy() if col in v else np.array([]) for k, v in data.items()}
         _hist(ax, {k: v for k, v in present.items() if len(v)}, {k: color(k) for k in data})
         ax.set(title=title, xlabel="steps")

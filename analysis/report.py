@@ -26,7 +26,8 @@ CAPTIONS = {
     "consumed_staleness": ("Staleness of the data each method trained on (Figure 7)",
                            "Waiting, Generation and Effective Staleness of consumed groups, PACE and Async. Async's "
                            "Effective Staleness exists only in runs that recorded it (`pool.record_effective=0.125`: that "
-                           "share of the groups; 1: all); the panel says when it was not recorded."),
+                           "share of the groups; 1: all); the panel says when it was not recorded. A fourth panel, the KV "
+                           "Staleness K_kv (the oldest weights in a token's context), when the runs logged it."),
     "pool_over_time": ("The pool over time",
                        "Groups waiting in the pool at each training step (left, log scale; dashed: PACE's "
                        "target occupancy n*), and the groups PACE rejects per step to hold the pool near it (right). "
@@ -56,6 +57,9 @@ CLAIMS = {
     "g_score_ablation": "(g) Ranking by Effective Staleness learns at least as well as by Raw, and Raw at least as well "
                         "as by Generation Staleness (the score ablation)",
     "h_gamma": "(h) γ = 1, 2 and 4 give similar validation and training-reward trajectories",
+    "i_kv_recompute": "(i) Keeping the KV cache across a weight update (the default) learns as well as recomputing it, "
+                      "for Async and for PACE; recomputing removes the stale-context error of the tokens generated "
+                      "after an update",
 }
 
 
@@ -76,6 +80,9 @@ def _setup_text(s: dict) -> str:
            + (f" (first {s['eval_problems']} problems of each set)" if s.get("eval_problems") else "")
            + f" every {s['eval_every']} steps, on the rollout engine." if s.get("eval_every") else "")
     varies = f" Settings that differ between runs: {', '.join(s['varies'])}." if s.get("varies") else ""
+    if s.get("kv_probe"):
+        varies += (f" KV probe: {s['kv_probe']:g} of the responses an update landed in while they generated are "
+                   "rescored on the engine right after they finish (`rollout.kv_probe`).")
     return (f"Fully asynchronous DAPO on {model}, trained on {data}: a vLLM engine generates in a thread "
             f"while the trainer updates the policy; B = {s.get('B')} prompts × G = {s.get('G')} responses per step, "
             f"responses up to {s.get('max_tokens')} tokens, learning rate {s.get('lr')}, up to {s.get('steps')} steps per run."
@@ -142,6 +149,9 @@ def _parts(key: str, c: dict) -> list[tuple[str, dict, float, str]]:
     if key == "h_gamma":  # the nearer edge of the margin: inside it (or wholly past it) is what decides
         margin = lambda k: c["margins"]["score" if k.endswith("score") else "reward"]  # noqa: E731
         return [(k.replace("_", " "), iv[k], margin(k) if iv[k]["mean"] >= 0 else -margin(k), c["parts"][k]) for k in iv]
+    if key == "i_kv_recompute":  # the error below 0; the score inside ±margin (its nearer edge, as for (h))
+        edge = lambda k: 0.0 if k.endswith("error") else c["margin"] if iv[k]["mean"] >= 0 else -c["margin"]  # noqa: E731
+        return [(k.replace("_", " "), iv[k], edge(k), c["parts"][k]) for k in iv]
     return []
 
 
@@ -175,12 +185,16 @@ NEXT = {
     "d_long_rejections": "a task whose long responses are the ones whose prefixes drift least (the paper's long "
                          "reasoning traces), i.e. a larger model on math with long responses: a GPU",
     # (e)–(h): written with their rules, before any run was made or read for them
-    "e_time_to_peak": "validations more often than every 20 steps (the time to the peak takes one of six values per "
-                      "run), more seeds, and every run made with nothing else on the machine",
+    "e_time_to_peak": "validations more often (the time to the peak takes one of as many values per run as the run "
+                      "validates), more seeds, and every run made with nothing else on the machine",
     "f_rejected_staler": "more PACE runs that reject (a run that rejected nothing leaves its seed out)",
     "g_score_ablation": "more seeds or longer runs: differences in learning smaller than the seed spread at 100 steps "
                         "cannot be told apart",
     "h_gamma": "more seeds (an equivalence holds only once the whole interval fits inside the margin)",
+    # (i): written with its rule, before any run of the KV study
+    "i_kv_recompute": "for the learning part, more seeds (an equivalence holds only once the whole interval fits inside "
+                      "the margin) or a setting where an update moves the policy further (a larger learning rate or "
+                      "model: a GPU); for the error part, runs in which the probe sees post-update tokens in every seed",
 }
 
 
@@ -199,6 +213,8 @@ def _summary(claims: dict) -> list[str]:
 
 
 def _claim_text(key: str, c: dict) -> str:
+    from analysis.report_kv import kv_text, validated
+
     if not c.get("tested"):
         return ""
     iv = c["interval"]
@@ -234,7 +250,10 @@ def _claim_text(key: str, c: dict) -> str:
         return (f"Training wall time to the peak validation average (mean over seeds): PACE {_f(t['PACE'], 0)} s "
                 f"(peak {_f(pk['PACE'])}), Sync {_f(t['Sync'], 0)} s ({_f(pk['Sync'])}), Async {_f(t['Async'], 0)} s "
                 f"({_f(pk['Async'])}). PACE − Sync {_iv(iv['Sync'], 0)}: {p['earlier_than_sync']}; PACE − Async "
-                f"{_iv(iv['Async'], 0)}: {p['earlier_than_async']}; the claim needs both below 0.{left}")
+                f"{_iv(iv['Async'], 0)}: {p['earlier_than_async']}; the claim needs both below 0.{left}"
+                + validated(c))
+    if key == "i_kv_recompute":
+        return kv_text(c)
     if key == "f_rejected_staler":
         from analysis.claims import STALENESS_COLUMNS
 
@@ -282,7 +301,7 @@ def _moved(numbers: dict) -> list[str]:
            f"{', '.join(map(str, prev['seeds']))}). Each verdict with the mean of the interval it was decided on.", "",
            "| claim | before | now |", "| --- | --- | --- |"]
     for key, name in CLAIMS.items():
-        c = numbers["claims"][key]
+        c = numbers["claims"].get(key, {})
         now = _gist(c) if c.get("tested") else "not tested"
         before = _gist(prev["claims"][key]) if key in prev["claims"] else "(not a claim then)"
         out.append(f"| {name.split(' ', 1)[0]} | {before} | {now} |")
@@ -312,6 +331,8 @@ def _seed_table(runs: list[dict], best: dict) -> list[str]:
 
 
 def write_report(out: Path, numbers: dict, title: str = "") -> Path:
+    from analysis.report_kv import kv_table
+
     runs = numbers["runs"]
     lines = [f"# {title or 'PACE reproduction report'}", "", _setup_text(numbers["setup"]), ""]
     setup = out / "setup.md"  # optional, written by the study script: machine, commit, command, time
@@ -339,10 +360,17 @@ def write_report(out: Path, numbers: dict, title: str = "") -> Path:
               "from the run logs. A verdict is decided on a 95% Student-t interval over seeds (runs paired by seed): "
               "holds when the interval lies on the claimed side, does not hold when it lies on the other, "
               "inconclusive when it straddles the boundary.", ""]
+    absent = []
     for key, name in CLAIMS.items():
-        c = numbers["claims"][key]
+        c = numbers["claims"].get(key, {"tested": False, "why": "not decided by this analysis"})
+        if not c.get("tested"):
+            absent.append(f"{name.split(' ', 1)[0]} {c.get('why', 'runs missing')}")
+            continue
         lines += [f"- {name}: {_verdict(c)}. {_claim_text(key, c)}{_needs(key, c)}".rstrip(), ""]
+    if absent:
+        lines += [f"- Not tested here: {'; '.join(absent)}.", ""]
     lines += _summary(numbers["claims"])
+    lines += kv_table(numbers.get("kv") or {})
     lines += _moved(numbers)
     for name in numbers["figures"]:
         head, caption = CAPTIONS[name]

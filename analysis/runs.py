@@ -50,7 +50,13 @@ class Run(Labelled):
 
 
 def method_label(cfg: dict) -> str:
-    """The method's name in figures and tables, from the config: Sync, Async, Stale-4, PACE γ=2, …"""
+    """The method's name in figures and tables, from the config: Sync, Async, Stale-4, PACE γ=2, …;
+    " (recompute)" after it for a run with `rollout.kv_on_update=recompute` (without the key: keep)."""
+    kv = (cfg.get("rollout") or {}).get("kv_on_update", "keep")
+    return _method(cfg) + (" (recompute)" if kv == "recompute" else "")
+
+
+def _method(cfg: dict) -> str:
     pool, algo, pace = cfg.get("pool", {}), cfg.get("algo", {}), cfg.get("pace", {})
     if algo.get("name") == "m2po":
         return "M2PO" if algo.get("m2po_variant", "paper") == "paper" else "M2PO (adaptive clip)"
@@ -74,6 +80,7 @@ def _base_label(pool: dict, algo: dict, pace: dict) -> str:
         return f"Gate η={pool.get('max_head_offpolicyness')}"
     score = pace.get("score", "effective")
     label = "PACE" + {"effective": "", "raw": " (raw)", "generation": " (gen)"}[score]
+    label += " (KV-aware)" if pace.get("kv_aware") else ""  # ranked by K_kv in K_gen's place
     gamma = float(pace.get("gamma", 1.0))
     return label if gamma == 1.0 or score != "effective" else f"{label} γ={gamma:g}"
 
@@ -195,6 +202,21 @@ def load(spec: str, source: str = "local") -> list[Run]:
 def load_run(run_dir: str | Path) -> Run:
     """One local run directory (summarize_run.py)."""
     return load_local(run_dir)
+
+
+def recomputed_kv(row) -> float | None:
+    """K_kv of a logged group recomputed from its per-response records (version spans, request
+    starts, c(τ), kv_reprefill), or None for a run logged before them."""
+    import numpy as np
+
+    from pace.staleness import group_kv_staleness, kv_versions
+
+    starts, reprefill = row.get("request_starts"), row.get("kv_reprefill")
+    if not hasattr(starts, "__len__") or reprefill is None or reprefill != reprefill:  # absent, or NaN in a mixed table
+        return None
+    kv = [kv_versions(np.repeat(spans[0::2], spans[1::2]), starts, bool(row["kv_reprefill"]))
+          for spans, starts in zip(row["version_spans"], row["request_starts"])]
+    return group_kv_staleness(kv, row["completed_at"])
 
 
 def recomputed_staleness(row) -> tuple[float, float, float]:

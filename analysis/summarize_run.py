@@ -2,8 +2,8 @@
 
     python analysis/summarize_run.py runs/async_tiny/2026-11-29_16-30-00 [more run dirs ...]
 
-Checks, per run: Lemma 1 (K = K_gen + K_wait, to 1e-9) on every group with a decided step, the
-logged K, K_gen, K_wait against their recomputation from each response's per-token version spans
+Checks, per run: Lemma 1 (K = K_gen + K_wait, to 1e-9) on every group with a decided step, K_kv ≥ K_gen
+on those (runs that log K_kv, the KV staleness: docs/pool-policies.md), the logged K, K_gen, K_wait against their recomputation from each response's per-token version spans
 and c(τ) (runs that log them), and the fate accounting (groups submitted = Σ fates = rows logged).
 Exit status 1 if one fails.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.runs import load_run, recomputed_staleness  # noqa: E402
+from analysis.runs import load_run, recomputed_kv, recomputed_staleness  # noqa: E402
 
 PHASES = ["time/step", "time/generate", "time/wait_data", "time/train", "time/sync"]
 
@@ -57,11 +57,19 @@ def summarize(run_dir: str, window: int = 20) -> bool:
             f" + K_wait {consumed.k_wait.mean():.3f}   with K_gen > 0: {(consumed.k_gen > 0).sum()}"
             f"   spanning >1 version: {(consumed.versions_spanned > 1).sum()}"
         )
+        if "k_kv" in g:  # KV staleness (runs logged before it have no column)
+            print(f"consumed K_kv {consumed.k_kv.mean():.3f} (K_gen {consumed.k_gen.mean():.3f})"
+                  f"   with K_kv > K_gen: {(consumed.k_kv > consumed.k_gen + 1e-9).sum()}")
         decided = g.dropna(subset=["k"])
         err = (decided.k - decided.k_gen - decided.k_wait).abs().max() if len(decided) else 0.0
         lemma = err <= 1e-9
         print(f"Lemma 1 on {len(decided)} groups: max |K - K_gen - K_wait| = {err:.2e}  {'ok' if lemma else 'FAILED'}")
         ok &= bool(lemma)
+        if "k_kv" in decided:  # a token's context is never newer than the token: w_t ≤ v_t
+            kv = decided.dropna(subset=["k_kv"])
+            bad = int((kv.k_kv < kv.k_gen - 1e-9).sum())
+            print(f"K_kv >= K_gen on {len(kv)} groups: {bad} violate it  {'ok' if not bad else 'FAILED'}")
+            ok &= not bad
         if "version_spans" in decided and len(decided):  # the logged values against the per-token records
             logged = decided[["k", "k_gen", "k_wait"]].to_numpy()
             redo = [recomputed_staleness(row) for _, row in decided.iterrows()]
@@ -70,6 +78,13 @@ def summarize(run_dir: str, window: int = 20) -> bool:
             print(f"K, K_gen, K_wait recomputed from per-token version spans: max error {err:.2e}  "
                   f"{'ok' if agree else 'FAILED'}")
             ok &= agree
+            kv = [(row.k_kv, recomputed_kv(row)) for _, row in decided.iterrows() if "k_kv" in row and row.k_kv == row.k_kv]
+            kv = [(a, b) for a, b in kv if b is not None]
+            if kv:  # runs logged before the request starts have none
+                err = max(abs(a - b) for a, b in kv)
+                print(f"K_kv recomputed from the version spans and request starts: max error {err:.2e}  "
+                      f"{'ok' if err <= 1e-9 else 'FAILED'}")
+                ok &= err <= 1e-9
     fates = run.summary.get("fates")
     if fates:
         total = sum(v for k, v in fates.items() if k != "submitted")

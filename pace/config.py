@@ -83,6 +83,13 @@ class RolloutConfig:
     # running requests at the update: `reset_prefix_cache(reset_running_requests=True)`), so K_kv = K_gen;
     # the cost is logged (`rollout/reprefill_tokens`)
     kv_on_update: str = "keep"
+    # The stale-KV probe (pace/rollout/kv_probe.py): this share of the responses whose last request
+    # spans an update (drawn from data.seed) is prefilled again whole when it finishes, under the
+    # weights of its last token; the mean |ℓ^μ − ℓ_fresh| of its tokens generated after the update is
+    # `mismatch/kv_abs_logp_diff` (their count `mismatch/kv_tokens`): the cost of keep's stale
+    # context, the float floor under recompute. One prefill each, ahead of generation. Needs
+    # rollout.temperature=1 (vLLM's prompt log-probs are untempered). 0: off
+    kv_probe: float = 0.0
     weight_delta: bool = False  # after a full sync, send only the elements whose engine-dtype value changed (docs/weight-sync.md)
     full_sync_every: int = 100  # with weight_delta: a full sync every N versions (0: only at start, resume and engine join)
     delta_max_frac: Optional[float] = None  # with weight_delta: a full sync when more than this fraction changed (null: where the bytes break even)
@@ -209,6 +216,7 @@ class PaceConfig:
     selection: str = "pool"
     # Rank by the KV staleness K_kv instead of K_gen in the effective score, S_eff = K_wait + u^γ K_kv
     # (docs/pool-policies.md "KV staleness"): tokens written on an older context count as old as it.
+    # raw and generation take K_kv in K_gen's place too, and pool.record_effective records this S_eff.
     # The same as K_gen under rollout.kv_on_update=recompute.
     kv_aware: bool = False
 

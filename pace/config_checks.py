@@ -115,6 +115,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"pool.capacity={cap} is below data.batch_prompts={cfg.data.batch_prompts}: a batch could never form")
     if cap is not None and cfg.pool.name == "pace" and target_pool(cfg) > cap:
         raise ConfigError(f"pace.target_pool={cfg.pace.target_pool} is above pool.capacity={cap}: the target is unreachable")
+    if not 0 <= cfg.rollout.kv_probe <= 1:
+        raise ConfigError(f"rollout.kv_probe must be in [0, 1] (a share of spanning responses; 0: off), got {cfg.rollout.kv_probe}")
+    if cfg.rollout.kv_probe and cfg.rollout.temperature != 1:
+        # ℓ^μ is the sampled (tempered) distribution's; vLLM's prompt log-probs are at temperature 1
+        raise ConfigError(f"rollout.kv_probe compares ℓ^μ with the engine's prompt log-probs (temperature 1): it needs "
+                          f"rollout.temperature=1, got {cfg.rollout.temperature}")
     if not 0 <= cfg.pool.record_effective <= 1:
         raise ConfigError(f"pool.record_effective must be in [0, 1] (a share of groups; 0: off), got {cfg.pool.record_effective}")
     if cfg.trainer.max_sync_mismatch is not None and not cfg.trainer.max_sync_mismatch > 0:

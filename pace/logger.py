@@ -30,13 +30,14 @@ def group_schema():
     i, f, s = pa.int64(), pa.float64(), pa.string()
     return pa.schema([
         ("id", i), ("prompt_id", s), ("fate", s), ("reason", s), ("step", i), ("submitted_at", i),
-        ("c", i), ("k", f), ("k_gen", f), ("k_wait", f), ("pfs", f), ("u", f), ("s_eff", f),
+        ("c", i), ("k", f), ("k_gen", f), ("k_kv", f), ("k_wait", f), ("pfs", f), ("u", f), ("s_eff", f),
         ("score", f), ("rho", f), ("budget", i), ("pfs_version", i), ("reward_mean", f),
         ("reward_std", f), ("acc_mean", f), ("len_mean", f), ("len_max", i),
         ("lengths", pa.list_(i)), ("num_tokens", i), ("versions_spanned", i),
         ("num_actions", i), ("tool_calls", pa.list_(i)), ("tool_errors", i),
         ("completed_at", pa.list_(i)), ("version_spans", pa.list_(pa.list_(i))), ("resumed_tokens", pa.list_(i)),
         ("engine", pa.list_(i)),
+        ("request_starts", pa.list_(pa.list_(i))), ("kv_reprefill", pa.bool_()),
     ])
 
 
@@ -51,7 +52,7 @@ def group_row(group: Group) -> dict:
         "reason": group.reason,
         "step": group.step,
         "submitted_at": group.submitted_at,
-        "c": None, "k": None, "k_gen": None, "k_wait": None,
+        "c": None, "k": None, "k_gen": None, "k_kv": None, "k_wait": None,
         "pfs": group.pfs,
         "u": group.scores.get("u"),
         "s_eff": group.scores.get("s_eff"),
@@ -75,6 +76,11 @@ def group_row(group: Group) -> dict:
         "resumed_tokens": [t.resumed for t in trajs],
         # per response: the rollout engine that served all of it (−1: several, or unknown)
         "engine": [t.engine for t in trajs],
+        # per response: where (in model tokens, as the spans count) a later engine request began (a
+        # tool turn, a continuation), and whether every update re-prefilled the group's requests
+        # (rollout.kv_on_update=recompute): with the spans, K_kv follows (pace/staleness.py)
+        "request_starts": [t.action_starts for t in trajs],
+        "kv_reprefill": group.kv_reprefill,
     }
     complete = len(trajs) == len(group.trajectories) and trajs and all(t.completed_at >= 0 for t in trajs)
     if complete:
@@ -91,6 +97,7 @@ def group_row(group: Group) -> dict:
         )
         if group.step is not None:
             row["k"], row["k_gen"], row["k_wait"] = group.staleness(group.step)
+            row["k_kv"] = group.k_kv()  # KV staleness (≥ K_gen): the oldest weights in each token's context
     return row
 
 

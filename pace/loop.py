@@ -55,6 +55,7 @@ def step_metrics(batch, pool, decided, t_wait: float, tools: bool = False) -> di
         "train/action_len": sum(t.num_actions for t in trajs) / len(trajs),
         "staleness/k_mean": sum(k[0] for k in ks) / n,
         "staleness/k_gen_mean": sum(k[1] for k in ks) / n,
+        "staleness/k_kv_mean": sum(g.k_kv() for g in batch.groups) / n,  # KV staleness (≥ K_gen)
         "staleness/k_wait_mean": sum(k[2] for k in ks) / n,
         "staleness/k_max": max(k[0] for k in ks),
         "pool/occupancy": pool.occupancy,

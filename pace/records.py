@@ -182,6 +182,14 @@ class Trajectory:
         """v_t of the model-generated tokens (what the staleness averages run over)."""
         return self.versions if not self._masked else self.versions[self.action_mask]
 
+    @property
+    def action_starts(self) -> list[int]:
+        """``starts`` counted in model-generated tokens (what the records' version spans count)."""
+        if not self._masked:
+            return list(self.starts)
+        before = np.concatenate(([0], np.cumsum(self.action_mask)))
+        return [int(before[s]) for s in self.starts]
+
     def kv_versions(self, reprefill: bool = False) -> np.ndarray:
         """w_t of the model-generated tokens: the oldest version in each one's context (pace/staleness.py)."""
         w = staleness.kv_versions(self.versions, self.starts, reprefill)

@@ -11,6 +11,8 @@
 # stopped part-way has whole seeds):
 #   Sync, Async, PACE (effective, γ = 1), PACE (raw), PACE (gen), PACE γ = 2 and 4, M2PO,
 #   Stale-k with k = 1, 2, 4, 8
+# and, only when $ONLY names them, Async and PACE with rollout.kv_on_update=recompute (async_recompute,
+# pace_recompute: the KV study, scripts/kv_study.sh).
 # A run that already finished (summary.json says so) is skipped, so an interrupted study resumes
 # where it stopped. Extra arguments are Hydra overrides for every run.
 #
@@ -31,6 +33,7 @@ REPORT=${REPORT:-reports/tiny}
 STEPS=${STEPS:-100}
 SEEDS=${SEEDS:-"0 1 2 3 4"}  # 5: what the methods claims need at the spread 3 seeds showed (reports/tiny)
 ONLY=${ONLY:-}
+TITLE=${TITLE:-"PACE at small scale: a CPU reproduction"}
 RECORDS=${RECORDS:-$REPORT/runs}
 EXTRA=("$@")
 
@@ -39,8 +42,12 @@ declare -A METHOD=(
   [pace_gen]="+exp=pace_gen_tiny" [pace_gamma2]="+exp=pace_tiny pace.gamma=2" [pace_gamma4]="+exp=pace_tiny pace.gamma=4"
   [m2po]="+exp=m2po_tiny" [stalek1]="+exp=stalek_tiny pool.max_lag=1" [stalek2]="+exp=stalek_tiny pool.max_lag=2"
   [stalek4]="+exp=stalek_tiny pool.max_lag=4" [stalek8]="+exp=stalek_tiny pool.max_lag=8"
+  [async_recompute]="+exp=async_tiny rollout.kv_on_update=recompute"
+  [pace_recompute]="+exp=pace_tiny rollout.kv_on_update=recompute"
 )
 ORDER=(sync async pace pace_raw pace_gen pace_gamma2 pace_gamma4 m2po stalek1 stalek2 stalek4 stalek8)
+[[ -z "$ONLY" ]] || ORDER+=(async_recompute pace_recompute)  # not in the default study: named in $ONLY
+for m in $ONLY; do [[ -n "${METHOD[$m]:-}" ]] || { echo "error: ONLY: no method '$m' (${!METHOD[*]})" >&2; exit 2; }; done
 runs=()
 for seed in $SEEDS; do
   for m in "${ORDER[@]}"; do
@@ -99,7 +106,7 @@ built=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)  # the analysis 
 git diff --quiet HEAD -- analysis 2>/dev/null || built="${built}+dirty"
 {
   echo "- Machine: $(nproc) CPU cores ($(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | xargs || echo unknown)), no GPU."
-  echo "- Command: \`bash scripts/reproduce_tiny.sh ${EXTRA[*]:-}\` with STEPS=${STEPS}, SEEDS=\"${SEEDS}\" (each run's commit is in the table below); the report built by analysis/ at commit ${built}."
+  echo "- Command: \`bash scripts/reproduce_tiny.sh ${EXTRA[*]:-}\` with STEPS=${STEPS}, SEEDS=\"${SEEDS}\"${ONLY:+, ONLY=\"${ONLY}\"} (each run's commit is in the table below); the report built by analysis/ at commit ${built}."
   echo "- Claim rules: analysis/claims.py as last changed in commit ${rules}, before the runs below."
   echo "- This invocation: $((elapsed / 60)) min $((elapsed % 60)) s for the runs not already finished (${#runs[@]} runs asked for);" \
     "all runs made so far: $(awk -F'\t' 'NR > 1 {n++; w += $4} END {printf "%d, %.0f min of wall time", n, w / 60}' "$OUT/runs.tsv")."
@@ -110,5 +117,5 @@ git diff --quiet HEAD -- analysis 2>/dev/null || built="${built}+dirty"
 } >"$REPORT/setup.md"
 prev=()  # the numbers of the study this one replaces, if kept: the report says how each verdict moved
 [[ -f "$RECORDS/previous_numbers.json" ]] && prev=(--previous "$RECORDS/previous_numbers.json")
-python -m analysis.build "$OUT" --out "$REPORT" --report --title "PACE at small scale: a CPU reproduction" "${prev[@]}"
+python -m analysis.build "$OUT" --out "$REPORT" --report --title "$TITLE" "${prev[@]}"
 echo "study: ${elapsed} s; report: $REPORT/report.md"

@@ -51,10 +51,12 @@ def wait_for_rows(proc, run_dir: Path, rows: int, timeout: float = 300) -> None:
         time.sleep(0.2)
 
 
-def check_staleness(groups) -> None:
+def check_staleness(groups, kv: str | None = None) -> None:
     """Every decided, complete group: the logged staleness equals the recomputed one, no token is
-    newer than its response's completion, and no response completed after the step it was decided."""
-    from analysis.runs import recomputed_staleness
+    newer than its response's completion, and no response completed after the step it was decided.
+    Its KV staleness is at least K_gen and recomputed from the spans and request starts; ``kv``: the
+    run's rollout.kv_on_update, which every group's record must say."""
+    from analysis.runs import recomputed_kv, recomputed_staleness
 
     decided = groups.dropna(subset=["k"])
     assert len(decided) > 0
@@ -63,6 +65,14 @@ def check_staleness(groups) -> None:
         assert abs(row.k - k) < 1e-9 and abs(row.k_gen - k_gen) < 1e-9 and abs(row.k_wait - k_wait) < 1e-9, row.id
         for spans, c in zip(row.version_spans, row.completed_at):
             assert max(spans[0::2]) <= c <= row.step and list(spans[0::2]) == sorted(spans[0::2]), row.id
+        if kv is None and "k_kv" not in row:
+            continue
+        assert row.k_kv >= row.k_gen - 1e-9, row.id
+        assert abs(row.k_kv - recomputed_kv(row)) < 1e-9, row.id  # from the spans and the request starts
+        if kv is not None:
+            assert bool(row.kv_reprefill) == (kv == "recompute"), row.id
+        if kv == "recompute":
+            assert abs(row.k_kv - row.k_gen) < 1e-9, row.id
 
 
 def check_continued(state: dict, groups, version: int, later: dict | None = None) -> tuple[int, int]:

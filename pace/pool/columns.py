@@ -5,6 +5,7 @@ groups a Python loop over `Group` objects costs hundreds of milliseconds that th
 on. `PoolColumns` keeps what policies read per group in NumPy arrays maintained incrementally:
 
     k_gen      Generation Staleness (fixed at completion)
+    k_kv       KV staleness K_kv ≥ K_gen (fixed at completion; PACE ranks by it under `pace.kv_aware`)
     c_mean     token-weighted mean completion version c̄, so K_wait(j) = j − c̄ (docs/design.md §2)
     completed  completion version c(group) (tie-break: older first)
     pfs        Prefix Forgetting Score, NaN until rescored
@@ -22,7 +23,7 @@ import numpy as np
 
 from pace.records import Group
 
-_FLOAT_COLUMNS = ("k_gen", "c_mean", "pfs")
+_FLOAT_COLUMNS = ("k_gen", "k_kv", "c_mean", "pfs")
 _INT_COLUMNS = ("completed", "pfs_version")
 
 
@@ -55,6 +56,7 @@ class PoolColumns:
         self._slot[group.id] = i
         self.alive[i] = True
         self.k_gen[i] = group.k_gen()
+        self.k_kv[i] = group.k_kv()
         self.c_mean[i] = group.completed_at - group.k_wait(group.completed_at)
         self.completed[i] = group.completed_at
         self.pfs[i] = np.nan if group.pfs is None else group.pfs

@@ -88,23 +88,28 @@ class PacePolicy(PoolPolicy):
     completion first), then take B groups FIFO from the rest. With `selection="draw"` only the
     high scorers that come before the B-th kept group in completion order are rejected (the paper's
     "draws until it has formed a full batch"); the later ones stay pooled for the next step.
+
+    With `kv_aware` the KV staleness K_kv takes K_gen's place in every score (a token written on an
+    older context counts as old as that context): effective S = K_wait + u^γ K_kv, raw S = K_wait +
+    K_kv (the context lag: the token-weighted mean of j − w_t), generation S = K_kv. The PFS bounds,
+    the candidates it is asked for and `pool/pfs_coverage` follow the same term.
     """
 
     name = "pace"
 
     def __init__(self, batch_prompts: int, max_inflight_groups: int, score: str, gamma: float,
-                 target_pool: int, ema: float, score_window: int, selection: str = "pool"):
+                 target_pool: int, ema: float, score_window: int, selection: str = "pool", kv_aware: bool = False):
         super().__init__(batch_prompts, max_inflight_groups)
-        self.score, self.gamma, self.selection = score, gamma, selection
+        self.score, self.gamma, self.selection, self.kv_aware = score, gamma, selection, kv_aware
         self.controller = RejectionController(target_pool, ema)
         self.window = ScoreWindow(score_window)
 
     def pfs_candidates(self, pooled: PoolColumns, step: int) -> np.ndarray:
         """Groups whose PFS can matter at the next batch: only `effective` ranking reads it, and only
-        the groups whose score bounds [K_wait, K_wait + K_gen] reach the r-th highest lower bound,
-        r the budget predicted from the occupancy now, doubled (plus one) for the groups still to
-        arrive before the batch is formed. The rollout asks again as groups arrive and after each
-        sync, so the set follows the pool. Nothing while the budget would be zero."""
+        the groups whose score bounds [K_wait, K_wait + K_gen] (K_kv under `kv_aware`) reach the r-th
+        highest lower bound, r the budget predicted from the occupancy now, doubled (plus one) for the
+        groups still to arrive before the batch is formed. The rollout asks again as groups arrive and
+        after each sync, so the set follows the pool. Nothing while the budget would be zero."""
         slots = pooled.slots()
         n = len(slots)
         if self.score != "effective" or n == 0:
@@ -115,7 +120,11 @@ class PacePolicy(PoolPolicy):
         if r == 0:
             return slots[:0]
         k_wait = step - pooled.c_mean[slots]
-        return slots[scoring.candidates(k_wait, k_wait + pooled.k_gen[slots], 2 * r + 1)]
+        return slots[scoring.candidates(k_wait, k_wait + self.generation_term(pooled)[slots], 2 * r + 1)]
+
+    def generation_term(self, pooled: PoolColumns) -> np.ndarray:
+        """The column the scores use for the generation part: K_gen, or K_kv under `kv_aware`."""
+        return pooled.k_kv if self.kv_aware else pooled.k_gen
 
     def record_pfs(self, values: list[float]) -> None:
         """New Prefix Forgetting Scores from rescoring (called under the pool lock)."""
@@ -128,7 +137,9 @@ class PacePolicy(PoolPolicy):
             return None
         rho = self.controller.update(n)
         budget = self.controller.budget(rho, n, self.batch_prompts)
-        k_gen, k_wait, completed = pooled.k_gen[slots], step - pooled.c_mean[slots], pooled.completed[slots]
+        # k_gen: K_gen, or K_kv under kv_aware (`generation_term`): the scores take it in K_gen's place
+        k_gen, k_wait = self.generation_term(pooled)[slots], step - pooled.c_mean[slots]
+        completed = pooled.completed[slots]
         metrics = {"rho": rho, "budget": budget}
         if self.score == "effective":
             # u^γ ∈ [0, 1] bounds every score in [K_wait, K_wait + K_gen]. Only groups whose upper
@@ -184,7 +195,8 @@ def build_policy(cfg) -> PoolPolicy:
     policy = _build_policy(cfg)
     record = cfg.pool.record_effective  # a resumed run's config is merged with the schema: always there
     if record > 0 and not (cfg.pool.name == "pace" and cfg.pace.score == "effective"):
-        return RecordingPolicy(policy, gamma=cfg.pace.gamma, score_window=cfg.pace.score_window, record_effective=record)
+        return RecordingPolicy(policy, gamma=cfg.pace.gamma, score_window=cfg.pace.score_window, record_effective=record,
+                               kv_aware=cfg.pace.kv_aware)
     return policy
 
 
@@ -200,5 +212,5 @@ def _build_policy(cfg) -> PoolPolicy:
     if name == "pace":
         p = cfg.pace
         return PacePolicy(**common, score=p.score, gamma=p.gamma, target_pool=target_pool(cfg), ema=p.ema,
-                          score_window=p.score_window, selection=p.selection)
+                          score_window=p.score_window, selection=p.selection, kv_aware=p.kv_aware)
     return POLICIES[name](**common)

@@ -13,7 +13,8 @@ Staleness to draw for them. `RecordingPolicy` wraps such a policy:
                      the head (a score cancelled by a sync is asked again under the new weights)
     record_pfs       new scores go to the wrapper's own window (`pace.score_window`)
     after select     every sampled group the wrapped policy decided gets u (its PFS percentile in that
-                     window, 1 when not rescored yet) and S_eff = K_wait + u^γ K_gen (`pace.gamma`);
+                     window, 1 when not rescored yet) and S_eff = K_wait + u^γ K_gen (`pace.gamma`;
+                     K_kv in K_gen's place under `pace.kv_aware`, as PACE ranks then);
                      `pool/pfs_coverage` is the share of decided groups with K_gen > 0 that had a PFS;
                      the others carry no u or S_eff (not even a wrapped PACE's own, which raw and
                      generation compute with u = 1)
@@ -41,13 +42,13 @@ class RecordingPolicy:
     """``policy``'s decisions, with PACE's effective score computed and recorded per decided group."""
 
     def __init__(self, policy: PoolPolicy, gamma: float, score_window: int, record_effective: float = 1.0,
-                 head: int | None = None):
+                 head: int | None = None, kv_aware: bool = False):
         if not 0 < record_effective <= 1:
             raise ValueError(f"pool.record_effective must be in [0, 1] (0: off), got {record_effective}")
         self.policy = policy
         self.record_effective = record_effective
         self.batch_prompts = policy.batch_prompts
-        self.gamma = gamma
+        self.gamma, self.kv_aware = gamma, kv_aware
         self.head = 2 * policy.batch_prompts if head is None else head
         self.window = ScoreWindow(score_window)
 
@@ -93,7 +94,7 @@ class RecordingPolicy:
 
     def _record(self, groups: list, step: int, metrics: dict) -> None:
         pfs = np.array([np.nan if g.pfs is None else g.pfs for g in groups], dtype=np.float64)
-        k_gen = np.array([g.k_gen() for g in groups], dtype=np.float64)
+        k_gen = np.array([g.k_kv() if self.kv_aware else g.k_gen() for g in groups], dtype=np.float64)
         k_wait = np.array([g.k_wait(step) for g in groups], dtype=np.float64)
         u = self.window.ranks(pfs)
         s_eff = scoring.score("effective", k_wait, k_gen, u, self.gamma)

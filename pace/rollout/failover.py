@@ -14,7 +14,8 @@ twice. What the engine held:
   live engine (prompt + kept tokens prefilled), or starts again from the prompt if nothing was kept;
 - a prefix-scoring request: its group's scoring is dropped (`rescore_cancelled`) and asked again
   after the next update, as when new weights land while it runs;
-- a validation request: sent again to a live engine (the weights are held until it is graded).
+- a validation request: sent again to a live engine (the weights are held until it is graded);
+- a stale-KV probe: dropped (`kv_probe_cancelled`), not sent again (pace/rollout/kv_probe.py).
 
 An engine that comes back, or joins (pace/rollout/healing.py), takes requests only after the update
 that caught it up: judged on its own (a joiner whose weights are not the trainer's is failed, not the
@@ -63,6 +64,8 @@ class FailoverMixin:
                 scoring.add(parsed.group)
             elif parsed.kind == request_ids.VALIDATION:
                 self._val[0].resubmit(self.fleet, rid)
+            elif parsed.kind == request_ids.KV_PROBE:
+                self._drop_kv_probes([rid])
             else:
                 self._recover_response(parsed)
         for gid in scoring:

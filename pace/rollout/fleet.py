@@ -15,8 +15,9 @@ turns and its abort follow it.
 
 Weight updates (`update`) go through vLLM's weight-transfer RPCs on every engine, each between a
 `pause_scheduler(mode="keep")` and a `resume_scheduler` of that engine (in-flight requests keep
-their KV and continue under the new weights), and each engine's outputs are stamped by vLLM with
-the version set by `set_weight_version` (`CompletionOutput.weight_versions`).
+their KV and continue under the new weights; with `reprefill_on_update` their KV is dropped after the
+load and they are prefilled again under the new weights), and each engine's outputs are stamped by
+vLLM with the version set by `set_weight_version` (`CompletionOutput.weight_versions`).
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ class Fleet(abc.ABC):
     device_type: str = "cpu"  # the engines' device
     in_process = False  # every engine steps in this process (the rollout's stamps are exact)
     needs_regroup = False  # an engine was taken out: the weight-transfer group is formed again
+    # rollout.kv_on_update=recompute: every update preempts the engines' running requests (their KV
+    # freed, the prefix cache emptied), so each is prefilled again under the new weights when they
+    # resume (vLLM's `reset_prefix_cache(reset_running_requests=True)`); keep: their KV stays
+    reprefill_on_update = False
 
     # --- requests (the rollout thread) ------------------------------------------------------
     @abc.abstractmethod
@@ -349,6 +354,9 @@ class EngineFleet(Fleet):
 
     def _finish_update(self) -> None:
         self.collective_rpc("finish_weight_update")
+        if self.reprefill_on_update:  # after the load: an in-process engine may step between an update's calls
+            for e, child in zip(self.engines, self.child):
+                _preempt_running(e, child)
 
     def _update_failures(self) -> list:
         return self.collective_rpc("pace_weight_update_failure")
@@ -375,6 +383,15 @@ class EngineFleet(Fleet):
         act on vLLM's terminate: ``timeout`` s later vLLM kills them (None: its default, 5 s each)."""
         for e in self.engines:
             e.engine_core.shutdown(timeout=timeout)
+
+
+def _preempt_running(engine, child: bool) -> None:
+    """Drop the KV of every running request of one engine (each goes back to the queue, its tokens
+    kept, and is prefilled again when the engine resumes) and empty its prefix cache."""
+    args = (True, False)  # reset_running_requests, reset_connector
+    ok = engine.engine_core.call_utility("reset_prefix_cache", *args) if child else engine.reset_prefix_cache(*args)
+    if not ok:
+        raise RuntimeError("vLLM could not drop the KV cache of its running requests (rollout.kv_on_update=recompute)")
 
 
 def _is_child(engine) -> bool:

@@ -97,6 +97,10 @@ class GenerationMixin:
                 if out.finished:
                     self._consume_score(out)
                 continue
+            if rid.kind == request_ids.KV_PROBE:  # not generation: no token counted
+                if out.finished:
+                    self._consume_kv_probe(out)
+                continue
             if rid.kind == request_ids.VALIDATION:
                 self._val[0].on_output(out)
                 continue
@@ -120,6 +124,7 @@ class GenerationMixin:
                 pending.tool_wait.add(idx)
                 self.tools.submit((gid, idx), traj.response_ids[pending.code_from.get(idx, 0):].tolist(), left)
             elif out.finished:
+                self._maybe_probe_kv(pending.group, idx, traj)  # versions final: pace/rollout/kv_probe.py
                 self._finish_response(pending, traj)
 
     def _record_spans(self, traj: Trajectory, start: int, spans) -> None:
@@ -175,3 +180,17 @@ class GenerationMixin:
         for traj, adv in zip(group.trajectories, group_advantages([t.reward for t in group.trajectories], self.cfg.algo.adv_eps,
                                                                        self.cfg.algo.std_unbiased)):
             traj.advantage = adv
+
+    def _count_reprefill(self) -> None:
+        """recompute: the tokens the update makes the engines prefill again, as this thread sees them:
+        prompt + response so far of every response whose request has produced a token (a request
+        prefilled whose first token has not reached this thread yet is not counted; nor are scoring
+        and validation requests, prefilled again too)."""
+        if not self.fleet.reprefill_on_update:
+            return
+        n = 0
+        for pending in self._pending.values():
+            for idx, traj in pending.responses.items():
+                if traj.completed_at < 0 and idx not in pending.tool_wait and len(traj) > pending.turn_start.get(idx, 0):
+                    n += len(pending.group.prompt_ids) + len(traj)
+        self.stats["reprefill_tokens"] += n

@@ -131,7 +131,10 @@ class RemoteWeightsMixin:
     def begin_update(self) -> None:
         def begin(s):
             s.paused = True
-            self._post(s, "/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=self.engine_timeout_s)
+            # clear_cache with "keep": vLLM preempts the running requests (KV dropped, prefilled again
+            # under the new weights at /resume) and empties the prefix cache
+            clear = "true" if self.reprefill_on_update else "false"
+            self._post(s, "/pause", params={"mode": "keep", "clear_cache": clear}, timeout=self.engine_timeout_s)
             self._client(s, self.engine_timeout_s).start_weight_update()
 
         self._admit_groupless()

@@ -1,27 +1,29 @@
 """The ids of the rollout thread's engine requests, built and read here only.
 
-Every request the rollout thread sends an engine is one of three kinds, told apart by the id's
+Every request the rollout thread sends an engine is one of four kinds, told apart by the id's
 first character:
 
     g<group>-<i>[-<turn>]   response i of group <group>; turn t > 0: its t-th continuation
                             (after a tool call or a restart), a request of its own
     s<group>-<i>            the prefix-scoring request of response i of pooled group <group>
+    k<group>-<i>            the stale-KV probe of finished response i of group <group> (its
+                            whole sequence prefilled again: pace/rollout/kv_probe.py)
     v<version>-<rest>       an in-training validation of θ_<version> (pace/evaluation.py's `EvalRun`
                             names the rest: ``<set>-<problem>[-<sample>[-<turn>]]``)
 
 `rescore` (pace/rollout/engine.py: tests, evaluation, on an engine the caller steps itself) names
-its requests ``rescore-<i>``, apart from all three: never a rollout request, so one on an engine a
+its requests ``rescore-<i>``, apart from all four: never a rollout request, so one on an engine a
 rollout worker shares is never taken for the worker's (`parse` refuses it like any other id).
 
-A group's requests are kept on one engine under its group key (``g<group>`` / ``s<group>``); a
-server's fleet sends each request under a wire id ``<id>.<serial>`` of its own (a request sent again
-after a failure is a new one to the server).
+A group's requests are kept on one engine under its group key (``g<group>`` / ``s<group>``; a
+probe, one request, has none); a server's fleet sends each request under a wire id
+``<id>.<serial>`` of its own (a request sent again after a failure is a new one to the server).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-RESPONSE, SCORING, VALIDATION = "g", "s", "v"
+RESPONSE, SCORING, VALIDATION, KV_PROBE = "g", "s", "v", "k"
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ def response(group: int, index: int, turn: int = 0) -> str:
 
 def scoring(group: int, index: int) -> str:
     return f"{SCORING}{group}-{index}"
+
+
+def kv_probe(group: int, index: int) -> str:
+    return f"{KV_PROBE}{group}-{index}"
 
 
 def rescore(index: int) -> str:
@@ -81,15 +87,15 @@ def parse(request_id: str) -> RequestId:
         version, sep, rest = body.partition("-")
         if version.isdigit() and sep and rest:
             return RequestId(VALIDATION, int(version))
-    elif kind in (RESPONSE, SCORING):
+    elif kind in (RESPONSE, SCORING, KV_PROBE):
         parts = body.split("-")
         shape = len(parts) in ((2, 3) if kind == RESPONSE else (2,))
         if shape and all(p.isdigit() for p in parts) and (len(parts) == 2 or parts[2] != "0"):
             return RequestId(kind, int(parts[0]), int(parts[1]), int(parts[2]) if len(parts) == 3 else 0)
     raise ValueError(f"request id {request_id!r} is not one of the rollout's (g<group>-<i>[-<turn>], "
-                     f"s<group>-<i>, v<version>-...)")
+                     f"s<group>-<i>, k<group>-<i>, v<version>-...)")
 
 
 def kind(request_id: str) -> str:
-    """RESPONSE, SCORING or VALIDATION (ValueError for any other id)."""
+    """RESPONSE, SCORING, KV_PROBE or VALIDATION (ValueError for any other id)."""
     return parse(request_id).kind

@@ -72,7 +72,13 @@ class ResumingMixin:
 
     # --- after a restart ---------------------------------------------------------------------
     def load_inflight(self, kept: list, version: int) -> None:
-        """Before `start()`: the checkpoint's groups in flight (the pool counts them in flight)."""
+        """Before `start()`: the checkpoint's groups in flight (the pool counts them in flight). A group
+        submitted under rollout.kv_on_update=recompute and continued under keep is not prefilled again at
+        every update any more: its K_kv is counted as keep's, for all its tokens (an overstatement for
+        those generated under recompute, which had a fresh context; never an understatement)."""
+        if not self.fleet.reprefill_on_update:
+            for item in kept:
+                getattr(item, "group", item).kv_reprefill = False
         self._resume, self._resume_version = list(kept), version
 
     def _continue_resumed(self) -> bool:

@@ -30,6 +30,7 @@ from pace.pool.plugins import reads_pfs
 from pace.rollout.failover import FailoverMixin
 from pace.rollout.fleet import Fleet
 from pace.rollout.generation import GenerationMixin
+from pace.rollout.kv_probe import KvProbeMixin, kv_probe_metrics
 from pace.rollout.rescoring import RescoringMixin
 from pace.rollout.resuming import ResumingMixin
 from pace.rollout.stopping import stop_token_ids
@@ -43,8 +44,8 @@ from pace.weights.update import WeightUpdate
 __all__ = ["RolloutError", "RolloutWorker"]
 
 
-class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMixin, FailoverMixin, ValRequestsMixin,
-                    threading.Thread):
+class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, KvProbeMixin, ResumingMixin, FailoverMixin,
+                    ValRequestsMixin, threading.Thread):
     def __init__(self, fleet: Fleet, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg, val_sets: dict | None = None):
         """``fleet``: the engines (`EngineFleet`, e.g. ``EngineFleet([llm])`` for one `LLM`, or `RemoteFleet`)."""
         super().__init__(name="rollout", daemon=True)
@@ -53,6 +54,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self.fleet = fleet
         if self.fleet.version is None:
             self.fleet.set_version(0)  # vLLM labels tokens with it: the weights loaded (θ_0 until an update)
+        # recompute: in-flight requests are prefilled again at each update (docs/pool-policies.md "KV staleness")
+        self.fleet.reprefill_on_update = cfg.rollout.kv_on_update == "recompute"
         self.tokenizer = tokenizer
         self.sampler = sampler
         self.pool = pool
@@ -96,9 +99,11 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         self._next_group_id = 0
         self.stats = {"tokens": 0, "gen_s": 0.0, "sync_s": 0.0, "pause_s": 0.0, "syncs": 0, "rescore_s": 0.0, "rescored": 0,
                       "rescore_seqs": 0, "rescore_skipped": 0, "rescore_cancelled": 0, "capacity_wait_s": 0.0,
+                      "reprefill_tokens": 0,
                       "versions_checked": 0, "resumed_groups": 0, "resumed_tokens": 0, "resume_unlabelled_tokens": 0,
                       "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0,
                       "orphaned_responses": 0, "weights_checked": 0, "engine_restarts": 0, "engine_joins": 0}
+        self._init_kv_probe(cfg)  # rollout.kv_probe: its state and counters
         # rescore pooled prefixes after each update for policies that ask for the PFS (PACE, and any
         # policy under pool.record_effective: pace/pool/recording.py)
         self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
@@ -229,7 +234,10 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
             "rollout/rescore_cancelled": s["rescore_cancelled"] - last["rescore_cancelled"],
             # wall time in the interval when no group could start because the pool was full
             "rollout/capacity_wait_s": s["capacity_wait_s"] - last["capacity_wait_s"],
-        } | (self._tool_metrics(s, last) if self.tools is not None else {}) | self._engine_metrics()
+            # rollout.kv_on_update=recompute: tokens prefilled again at the updates in the interval
+            "rollout/reprefill_tokens": s["reprefill_tokens"] - last.get("reprefill_tokens", 0),
+        } | (self._tool_metrics(s, last) if self.tools is not None else {}) | self._engine_metrics() | (
+            kv_probe_metrics(s, last) if self.kv_probe else {})
 
     def _engine_metrics(self) -> dict:
         """A fleet that times its engines' weight updates (servers): the engines alive, and each
@@ -334,17 +342,24 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         if update is None:
             return False
         with update.lock:  # the trainer does not rewrite this slot meanwhile
-            self._cancel_rescoring()
+            self._before_update()
             seconds = self.fleet.update(update.version, update.info)
             self.stats["sync_s"] += seconds
             self.stats["pause_s"] += seconds
             self._updated(update.version, weights=lambda: transfer.read_slot(update.info))
         return True
 
+    def _before_update(self) -> None:
+        """Before new weights load: pending scores and KV probes are dropped (they would be computed by
+        other weights than they are labelled with); under recompute, what will be prefilled again is counted."""
+        self._cancel_rescoring()
+        self._cancel_kv_probes()
+        self._count_reprefill()
+
     # BlockingClient (nccl, ipc): the update in two halves, the trainer's broadcast between them
     def begin_update(self) -> None:
         """Before new weights load (this thread): pending scores are dropped, the engines paused."""
-        self._cancel_rescoring()
+        self._before_update()
         self._paused_at = time.perf_counter()
         self.fleet.begin_update()
 
@@ -383,7 +398,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, ResumingMix
         except Exception:  # noqa: BLE001 - then the checkpoint keeps none of the groups in flight
             self._settled = False
         ids = [p.request_id(i) for p in self._pending.values() for i in range(self.group_size)]
-        ids += self._rescoring_ids()
+        ids += self._rescoring_ids() + self._kv_probe_ids()
         if self._val is not None:
             ids += self._val[0].request_ids
         try:

@@ -23,7 +23,13 @@ in progress (`advance_to`), as vLLM admits requests and `pause_generation(mode="
 weights between steps; requests in flight continue under the new weights.
 
 Token versions: the engine logs the decode-step counter at each load, so a response's version
-spans follow from the counters it ran at: a token's version is the one loaded at its step.
+spans follow from the counters it ran at: a token's version is the one loaded at its step. A
+sequence resumed after preemption marks where its new run began (`SimGroup.kv_starts`): its KV was
+prefilled again there, under the weights of that moment (K_kv, pace/sim/records.py).
+
+`reprefill` (`rollout.kv_on_update=recompute`): at every load the running sequences' contexts are
+prefilled again under the new weights (a group's prompt once, shared through the prefix cache), paid
+on the next step and counted in `reprefill_tokens` (and `prefill_tokens`); their K_kv is their K_gen.
 """
 from __future__ import annotations
 
@@ -45,8 +51,9 @@ class Finished(NamedTuple):
 
 
 class SimEngine:
-    def __init__(self, idx: int, cfg, max_num_seqs: int):
+    def __init__(self, idx: int, cfg, max_num_seqs: int, reprefill: bool = False):
         self.idx = idx
+        self.reprefill = reprefill
         self.a, self.b, self.c = cfg.step_s, cfg.per_seq_s, cfg.per_ctx_token_s
         self.prefill_s, self.stall_s = cfg.prefill_token_s, cfg.stall_s
         self.slow = 1.0  # latency factor (`train_slowdown` while a colocated trainer trains)
@@ -66,13 +73,14 @@ class SimEngine:
         self._prefill = 0  # tokens to prefill on the next step
         self.event_id = 0  # bumped when the next event changes (a scheduled older one is stale)
         self._next_at, self._next = -1, (0, False)  # `_steps_to_next` at event_id `_next_at`
-        self.tokens = self.busy_s = self.preempted = self.prefill_tokens = 0  # counters (`stats`)
+        self.tokens = self.busy_s = self.preempted = self.prefill_tokens = self.reprefill_tokens = 0  # counters (`stats`)
         self.rescore_s = 0.0  # engine seconds of PACE's prefix prefills (`add_prefill`)
 
     @property
     def stats(self) -> dict:
         return {"tokens": self.tokens, "decode_steps": self.counter, "busy_s": self.busy_s,
-                "preempted": self.preempted, "prefill_tokens": self.prefill_tokens, "rescore_s": self.rescore_s}
+                "preempted": self.preempted, "prefill_tokens": self.prefill_tokens, "rescore_s": self.rescore_s,
+                "reprefill_tokens": self.reprefill_tokens}
 
     def open_tokens(self) -> dict[int, int]:
         """Tokens made so far by the running sequences and not yet in their responses' spans, per
@@ -90,6 +98,7 @@ class SimEngine:
     def submit(self, group: SimGroup, now: float) -> list[Finished]:
         done = self.advance_to(now)
         group.engine = self.idx
+        group.kv_reprefill = self.reprefill
         self.waiting.extend((group, i, 0) for i in range(len(group.lengths)))
         self._admit()
         return done
@@ -117,8 +126,23 @@ class SimEngine:
         self.version = version
         self._vc.append(self.counter)
         self._vv.append(version)
+        if self.reprefill:
+            self._reprefill_running()
         self.event_id += 1  # the stall moves the next event
         return done
+
+    def _reprefill_running(self) -> None:
+        """`reprefill`: every running sequence's context is prefilled again under the weights just
+        loaded (a group's prompt once: the sequences of a group share it through the prefix cache)."""
+        cached = (self.idx, self.version)
+        tokens = 0
+        for group, _, start, ctx0 in self._seqs.values():
+            tokens += ctx0 + (self.counter - start) - group.prompt_tokens
+            if group.prefix_cached != cached:
+                group.prefix_cached = cached
+                tokens += group.prompt_tokens
+        self._prefill += tokens
+        self.reprefill_tokens += tokens
 
     # --- time ------------------------------------------------------------------------------------
     def _span(self, m: int) -> float:
@@ -226,6 +250,7 @@ class SimEngine:
             waiting.popleft()
             if produced:  # resumed after preemption: its whole context is recomputed
                 self._prefill += ctx
+                group.kv_starts.setdefault(j, []).append(produced)  # its KV from here on: this version's
             elif group.prefix_cached != cached:  # the prompt is cached per group and version
                 group.prefix_cached = cached
                 self._prefill += group.prompt_tokens

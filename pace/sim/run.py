@@ -53,7 +53,10 @@ class Simulation:
         self.syncs = SyncModel(cfg)  # each sync's seconds and the engines' pause (full or delta: pace/sim/sync.py)
         metric = (lambda g: g.correct.astype(float).tolist()) if cfg.algo.filter_on == "acc" else (lambda g: g.reward.tolist())
         self.pool = Pool(build_policy(cfg), informative=lambda g: is_informative(metric(g)), capacity=cfg.pool.capacity)
-        self.engines = [SimEngine(i, s.engine, cfg.rollout.max_num_seqs) for i in range(cfg.rollout.engines)]
+        reprefill = cfg.rollout.kv_on_update == "recompute"  # in-flight sequences prefilled again at each load
+        self.engines = [SimEngine(i, s.engine, cfg.rollout.max_num_seqs, reprefill=reprefill)
+                        for i in range(cfg.rollout.engines)]
+        self._reprefill_last = 0
         self.rescore = reads_pfs(self.pool.policy) and not (cfg.pool.name == "pace" and cfg.pace.score != "effective")
         self.prefix_tokens = cfg.pace.prefix_tokens
         self._events: list = []
@@ -109,10 +112,16 @@ class Simulation:
         self.pool.check_accounting()
         self.stats["wall_s"] = time.perf_counter() - wall
         self.stats["sim_s"] = self.now
-        for key in ("tokens", "decode_steps", "preempted", "prefill_tokens", "rescore_s"):
+        for key in ("tokens", "decode_steps", "preempted", "prefill_tokens", "reprefill_tokens", "rescore_s"):
             self.stats[key] = sum(e.stats[key] for e in self.engines)
         self.stats["engine_busy"] = sum(e.stats["busy_s"] for e in self.engines) / max(self.now * len(self.engines), 1e-9)
         return self.stats
+
+    def _reprefilled(self) -> int:
+        """Tokens prefilled again at weight loads since the last step (recompute)."""
+        total = sum(e.stats["reprefill_tokens"] for e in self.engines)
+        new, self._reprefill_last = total - self._reprefill_last, total
+        return new
 
     def _run_engine(self, engine: SimEngine, t: float) -> None:
         """Run ``engine``'s event at ``t``, then its next ones while they come before every other event
@@ -298,6 +307,7 @@ class Simulation:
             "train/action_len": float(lens.mean()),
             "staleness/k_mean": float(ks[:, 0].mean()),
             "staleness/k_gen_mean": float(ks[:, 1].mean()),
+            "staleness/k_kv_mean": float(np.mean([g.k_kv() for g in groups])),  # KV staleness (≥ K_gen)
             "staleness/k_wait_mean": float(ks[:, 2].mean()),
             "staleness/k_max": float(ks[:, 0].max()),
             "pool/occupancy": self.pool.occupancy,
@@ -318,6 +328,7 @@ class Simulation:
             "time/rescore": (rescore - self._last[3]) / len(self.engines),
             "sim/time_s": self.now + sync_s,  # simulated clock when the step (and its sync) is done
             "sim/preempted": sum(e.stats["preempted"] for e in self.engines),
+            "rollout/reprefill_tokens": self._reprefilled(),  # rollout.kv_on_update=recompute
             **self._inflight_work(),
         })
         self._last = (self.now, tokens, busy, rescore)

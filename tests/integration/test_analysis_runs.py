@@ -47,15 +47,15 @@ def test_every_figure_table_and_the_report_build(study, tmp_path):
         best = numbers["val_best"]["best"][run.label][0]["version"]
         assert run.summary["best"]["version"] == best
     # every claim whose runs are here is tested (PACE and PACE (raw) both rejected groups); the score
-    # ablation and γ need PACE (gen) and γ = 2, 4 runs, which this study does not make
+    # ablation, γ and the KV cache need PACE (gen), γ = 2, 4 and recompute runs, which this study does not make
     untested = {k for k, c in numbers["claims"].items() if not c["tested"]}
-    assert untested == {"g_score_ablation", "h_gamma"}, {k: numbers["claims"][k] for k in untested}
+    assert untested == {"g_score_ablation", "h_gamma", "i_kv_recompute"}, {k: numbers["claims"][k] for k in untested}
     assert numbers["claims"]["e_time_to_peak"]["seeds"] == {"Sync": [0], "Async": [0]}
     report = (tmp_path / "report.md").read_text()
     for name in FIGURES:
         assert f"({name}.png)" in report
     # one seed per method: every claim is decided on an interval over seeds, so none is decided here
-    assert report.count("**inconclusive**") == 6 and report.count("**not tested**") == 2
+    assert report.count("**inconclusive**") == 6 and "- Not tested here: (g) needs" in report and "; (i) needs" in report
     assert all(c["verdict"] == "inconclusive" for c in numbers["claims"].values() if c["tested"])
     assert "| method | seeds | best (selects Table 1's checkpoint) | final | mean after θ_0 |" in report
     assert "## In-training validation mean@2: best per run" in report and "Table 1 layout" not in report

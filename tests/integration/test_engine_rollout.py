@@ -1,7 +1,9 @@
 """The rollout worker stepped by hand on the real vLLM CPU engine and the tiny model: per-token
 versions across an update, prefix-forgetting scores, updates reaching requests in flight, groups in
-flight kept at a stop (the engine alone: test_engine.py)."""
+flight kept at a stop, KV staleness (keep / recompute) and the stale-KV probe (the engine alone: test_engine.py)."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -315,3 +317,173 @@ def test_groups_in_flight_are_kept_at_a_stop_and_continued_token_for_token(llm, 
             assert rescore(llm, [(prompt + t.response_ids.tolist(), len(prompt))])[0] == pytest.approx(
                 t.logprobs.tolist(), abs=1e-4)
     grader.close()
+
+
+@pytest.mark.parametrize("kv_on_update", ["keep", "recompute"])
+def test_tokens_after_an_update_attend_to_the_old_or_the_recomputed_cache(llm, weights, tiny_model_path, kv_on_update):
+    """Responses in flight when very different weights θ_1 load. keep: their tokens after the update
+    attend to the prompt's and earlier tokens' KV of θ_0, so their ℓ^μ are not a fresh prefill's under
+    θ_1, and K_kv counts the gap exactly (each θ_1 token's context is from θ_0: K_kv − K_gen = its
+    share of the group's tokens). recompute: the engine drops their KV at the update and prefills
+    prompt + tokens so far again under θ_1: their ℓ^μ are the fresh prefill's to the float floor,
+    K_kv = K_gen, and the prefilled tokens are counted (`reprefill_tokens`)."""
+    from omegaconf import OmegaConf
+
+    from pace.config import Config
+    from pace.grading import Grader
+    from pace.pool import Pool, build_policy
+    from pace.rollout.engine import load_weights
+    from pace.rollout.fleet import EngineFleet
+    from pace.rollout.worker import RolloutWorker
+    from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
+    from pace.tasks.base import PromptSampler
+
+    cfg = OmegaConf.structured(Config)
+    cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = 2, 4, 2
+    cfg.rollout.max_tokens, cfg.rollout.kv_on_update = 48, kv_on_update
+    pool = Pool(build_policy(cfg), informative=lambda g: True)
+    sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[4]), "train"), seed=2)
+    new, moved = _moved(tiny_model_path, seed=5, scale=0.2)  # far from θ_0: a stale context shows
+    try:
+        with Grader(workers=1) as grader:
+            worker = RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), sampler, pool, grader, cfg)
+            worker._admit()
+            for _ in range(6):
+                worker._consume(worker.fleet.step())
+            in_flight = [(p.group.prompt_ids, t) for p in worker._pending.values() for t in p.responses.values()
+                         if t.completed_at < 0]
+            worker.set_trainer_version(1)
+            worker.post_weights(1, moved)
+            assert worker._apply_update()
+            while llm.llm_engine.has_unfinished_requests():
+                worker._consume(worker.fleet.step())
+            groups = [g for g, _ in worker._grading] + [p.group for p in worker._pending.values()]
+            for p in worker._pending.values():  # graded or not: every response is done
+                p.group.trajectories = [p.responses[i] for i in sorted(p.responses)]
+    finally:
+        load_weights(llm, weights)
+    assert in_flight and all(len(t) > 0 for _, t in in_flight)
+    expected_reprefill = sum(len(p) + n for p, n in ((p, 6) for p, _ in in_flight))  # 6 steps: 6 tokens each
+    assert worker.stats["reprefill_tokens"] == (expected_reprefill if kv_on_update == "recompute" else 0)
+    spanning = 0
+    for g in groups:
+        assert g.kv_reprefill == (kv_on_update == "recompute")
+        after = sum(int((t.versions == 1).sum()) for t in g.trajectories)
+        n = sum(len(t) for t in g.trajectories)
+        gap = g.k_kv() - g.k_gen()
+        for t in g.trajectories:
+            if t.versions[0] == 1:
+                continue  # started after the update: nothing stale
+            m = int((t.versions == 0).sum())
+            if m == len(t):
+                continue  # finished before the update
+            spanning += 1
+            fresh = _hf_logprobs(new, g.prompt_ids + t.response_ids.tolist(), len(g.prompt_ids))[m:]
+            err = max(abs(a - b) for a, b in zip(t.logprobs[m:], fresh))
+            if kv_on_update == "keep":
+                assert err > 1e-2, err  # attended to θ_0's KV
+            else:
+                assert err < 1e-4, err  # prefilled again under θ_1
+        if kv_on_update == "keep":  # every θ_1 token of a response begun under θ_0 has a θ_0 context
+            stale = sum(int((t.versions == 1).sum()) for t in g.trajectories if t.versions[0] == 0)
+            assert gap == pytest.approx(stale / n, abs=1e-12) and after >= stale
+        else:
+            assert gap == pytest.approx(0.0, abs=1e-12)
+    assert spanning > 0, "no response spanned the update"
+
+
+def test_spanning_responses_are_probed_under_the_new_weights_and_pending_probes_dropped_at_an_update(
+        llm, weights, tiny_model_path):
+    """With keep (the default), a response that spans θ_0 → θ_1 generates its θ_1 tokens on θ_0's KV:
+    the probe's mean |ℓ^μ − ℓ_fresh| over them must equal the one against the new model run on the
+    whole sequence (HF), be clearly above the float floor, and its probes count no generated token.
+    A probe still pending when the next update lands is aborted, not measured. Across an update to
+    equal values the gap is the float floor (what recompute must give)."""
+    from omegaconf import OmegaConf
+
+    from pace.config import Config
+    from pace.grading import Grader
+    from pace.pool import Pool, build_policy
+    from pace.rollout.engine import load_weights
+    from pace.rollout.fleet import EngineFleet
+    from pace.rollout.worker import RolloutWorker
+    from pace.tasks.arithmetic import ArithmeticSpec, make_prompts
+    from pace.tasks.base import PromptSampler
+
+    cfg = OmegaConf.structured(Config)
+    cfg.data.batch_prompts, cfg.data.group_size, cfg.rollout.max_inflight_groups = 2, 4, 2
+    cfg.rollout.max_tokens, cfg.rollout.kv_probe = 48, 1.0
+    pool = Pool(build_policy(cfg), informative=lambda g: True)
+    sampler = PromptSampler(make_prompts(ArithmeticSpec(levels=[4]), "train"), seed=0)
+    new, moved = _moved(tiny_model_path, seed=5)
+    with Grader(workers=1) as grader:
+        worker = RolloutWorker(EngineFleet([llm]), llm.get_tokenizer(), sampler, pool, grader=grader, cfg=cfg)
+
+        def drain():
+            while llm.llm_engine.has_unfinished_requests():
+                worker._consume(worker.fleet.step())
+
+        worker._admit()
+        for _ in range(4):
+            worker._consume(worker.fleet.step())
+        worker.set_trainer_version(1)
+        worker.post_weights(1, moved)
+        assert worker._apply_update()
+        drain()  # the responses finish under θ_1; their probes run in the same loop
+        metrics = worker.metrics()
+        groups = [g for g, _ in worker._grading]
+        assert len(groups) == 2
+        spanning, expected, tokens = 0, 0.0, 0
+        for g in groups:
+            for t in g.trajectories:
+                v = t.versions.tolist()
+                if v[0] != 0 or v[-1] != 1:
+                    continue
+                spanning += 1
+                m = v.index(1)
+                fresh = _hf_logprobs(new, g.prompt_ids + t.response_ids.tolist(), len(g.prompt_ids))
+                expected += sum(abs(a - b) for a, b in zip(t.logprobs[m:].tolist(), fresh[m:]))
+                tokens += len(t) - m
+        assert spanning > 0, "every response ended within 4 engine steps: none spans the update"
+        assert worker.stats["kv_probes"] == spanning and worker.stats["kv_probe_cancelled"] == 0
+        assert not worker._kv_probes  # every probe returned
+        assert metrics["mismatch/kv_tokens"] == tokens > 0
+        gap = metrics["mismatch/kv_abs_logp_diff"]
+        assert math.isfinite(gap) and gap == pytest.approx(expected / tokens, abs=1e-4)
+        assert gap > 1e-3  # θ_0's KV under θ_1: far above the float floor (~1e-6)
+        # the probes' sampled tokens are not generation
+        assert worker.stats["tokens"] == sum(len(t) for g in groups for t in g.trajectories)
+        assert math.isnan(worker.metrics()["mismatch/kv_abs_logp_diff"])  # none returned since
+
+        # a probe pending when θ_2 lands is aborted before the new weights load
+        pool.policy.max_inflight_groups = 4
+        assert worker._admit()
+        for _ in range(4):
+            worker._consume(worker.fleet.step())
+        worker.post_weights(2, weights)
+        assert worker._apply_update()
+        while not worker._kv_probes and llm.llm_engine.has_unfinished_requests():
+            worker._consume(worker.fleet.step())  # until a response finishes, its probe sent, not yet run
+        pending = list(worker._kv_probes)
+        assert pending, "no response spanning θ_1 → θ_2 finished"
+        before = worker.stats["kv_probe_tokens"]
+        worker.post_weights(3, weights)
+        assert worker._apply_update()
+        assert worker.stats["kv_probe_cancelled"] == len(pending) and not worker._kv_probes
+        assert not any(worker.fleet.holds(rid) for rid in pending)
+        drain()
+        # responses finishing now end at θ_3; the ones spanning θ_2 → θ_3 on θ_3 tokens only
+        assert worker.stats["kv_probe_tokens"] >= before and not worker._kv_probes
+        worker.metrics()
+
+        # an update to equal values (θ_4 = θ_3): the stale KV is the fresh one, the gap the float floor
+        pool.policy.max_inflight_groups = 6
+        assert worker._admit()
+        for _ in range(4):
+            worker._consume(worker.fleet.step())
+        worker.post_weights(4, weights)
+        assert worker._apply_update()
+        drain()
+        floor = worker.metrics()
+        assert floor["mismatch/kv_tokens"] > 0 and floor["mismatch/kv_abs_logp_diff"] < 1e-4, floor
+    load_weights(llm, weights)  # leave the shared engine as it was

@@ -74,16 +74,28 @@ def _server_logprobs(url: str, ids: list[int]) -> list[float]:
 def test_a_run_on_two_servers(preset, servers, tiny_model_path, tmp_path):
     """5 steps on two servers: exact per-token versions (the servers' own labels, Lemma 1 on every
     logged group), the fates add up, each server's weight syncs timed; after the run both servers
-    hold the trainer's final weights (their log-probs are the checkpoint's)."""
+    hold the trainer's final weights (their log-probs are the checkpoint's). The PACE run has the
+    servers prefill their requests in flight again at each update (rollout.kv_on_update=recompute)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     urls = [s.url for s in servers]
-    proc = run_train([f"+exp={preset}", *SMALL, "trainer.steps=5", f"rollout.servers=[{','.join(urls)}]", "trainer.save_every=5"], tmp_path)
+    kv = "recompute" if preset == "pace_tiny" else "keep"  # the servers preempt their requests at each update
+    proc = run_train([f"+exp={preset}", *SMALL, "trainer.steps=5", f"rollout.servers=[{','.join(urls)}]", "trainer.save_every=5",
+                      f"rollout.kv_on_update={kv}", "rollout.kv_probe=1.0"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary, metrics, groups = _read(tmp_path)
     assert (summary["status"], summary["steps"], summary["engine_process"]) == ("finished", 5, "server")
-    check_staleness(groups)  # versions from the servers' weight_versions (the last chunk of each stream)
+    check_staleness(groups, kv=kv)  # versions from the servers' weight_versions (the last chunk of each stream)
+    assert (sum(m["rollout/reprefill_tokens"] for m in metrics) > 0) == (kv == "recompute")
+    # the probe: tokens generated after an update within one request, against a fresh prefill under
+    # the same weights — a stale context's error under keep, none when the servers prefilled them again
+    probed = [(m["mismatch/kv_abs_logp_diff"], m["mismatch/kv_tokens"]) for m in metrics if m.get("mismatch/kv_tokens")]
+    assert probed, "no response spanned an update and was probed"
+    if kv == "recompute":
+        assert all(err < 1e-6 for err, _ in probed), probed
+    else:
+        assert max(err for err, _ in probed) > 1e-6, probed
     _check_fates(summary, groups)
     assert (groups.versions_spanned > 1).any()  # updates landed while responses were generated
     assert all(m["rollout/engines_alive"] == 2 for m in metrics)

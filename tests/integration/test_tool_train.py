@@ -42,6 +42,15 @@ def test_every_policy_runs_with_tools(tiny_tool_model_path, tmp_path, preset, ex
     used = complete[calls > 0]
     assert (used.num_actions < used.num_tokens).all()  # tool output is not counted as actions
     assert (complete[calls == 0].num_actions == complete[calls == 0].num_tokens).all()
+    # each tool output is followed by a new engine request (prefilled anew: KV staleness restarts
+    # there), unless it used up the response's budget (then the response is that long)
+    from omegaconf import OmegaConf
+
+    budget = OmegaConf.load(tmp_path / ".hydra" / "config.yaml").rollout.max_tokens
+    for _, row in complete.iterrows():
+        for n_calls, starts, length in zip(row.tool_calls, row.request_starts, row.lengths):
+            assert list(starts) == sorted(set(starts)), row.id
+            assert len(starts) == n_calls or (length >= budget and len(starts) == n_calls - 1), (row.id, starts, n_calls)
     for m in metrics:
         assert m["train/action_len"] <= m["train/response_len"]
         assert "time/tools" in m and "tools/errors/timeout" in m

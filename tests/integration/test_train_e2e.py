@@ -37,8 +37,10 @@ def test_async_run_logs_everything(async_run):
     consumed = groups[groups.fate == "consumed"]
     assert len(consumed) == steps * 8
     # K, K_gen, K_wait of every decided group recomputed from its per-token version spans (Lemma 1
-    # follows: K − K_gen − K_wait = c̄ − c̄ from the same records)
-    check_staleness(groups)
+    # follows: K − K_gen − K_wait = c̄ − c̄ from the same records); K_kv too (keep: each response's
+    # context is its first token's version)
+    check_staleness(groups, kv="keep")
+    assert (consumed.k_kv > consumed.k_gen).any()  # tokens written on a stale context were trained on
     assert (consumed.step.value_counts() == 8).all() and sorted(consumed.step.unique()) == list(range(steps))
     # dynamic sampling on correctness: filtered groups are all right or all wrong, consumed ones mixed
     assert groups[groups.fate == "filtered"].acc_mean.isin([0.0, 1.0]).all()
@@ -71,7 +73,9 @@ def test_sync_run_is_on_policy(sync_run):
 
 @pytest.mark.parametrize("preset, extra", [
     ("m2po_tiny", []),  # M2PO, Algorithm 1 (the paper variant)
-    ("async_tiny", ["algo.ratio_ref=proximal", "algo.is_correction=tis", "algo.is_threshold=2.0"]),  # decoupled PPO + TIS
+    # decoupled PPO + TIS, with in-flight requests prefilled again at each update
+    ("async_tiny", ["algo.ratio_ref=proximal", "algo.is_correction=tis", "algo.is_threshold=2.0",
+                    "rollout.kv_on_update=recompute"]),
 ])
 def test_off_policy_corrections_train_end_to_end(tiny_model_path, tmp_path, preset, extra):
     proc = run_train([f"+exp={preset}", "trainer.steps=5", "logger.mode=disabled", *SMALL, *extra], tmp_path)
@@ -79,7 +83,10 @@ def test_off_policy_corrections_train_end_to_end(tiny_model_path, tmp_path, pres
     metrics, groups, summary = _read(tmp_path)
     assert [m["step"] for m in metrics] == list(range(5))
     _check_accounting(groups, summary)
-    check_staleness(groups)  # K, K_gen, K_wait from the version spans: Lemma 1 holds
+    recompute = "rollout.kv_on_update=recompute" in extra
+    check_staleness(groups, kv="recompute" if recompute else "keep")  # K, K_gen, K_wait from the version spans: Lemma 1 holds
+    if recompute:  # responses were in flight at updates: their tokens so far were prefilled again
+        assert sum(m["rollout/reprefill_tokens"] for m in metrics) > 0 and (groups.versions_spanned > 1).any()
     prefix = "m2po/" if preset.startswith("m2po") else "mismatch/truncated_frac"
     assert all(any(k.startswith(prefix) for k in m) for m in metrics)
     if preset.startswith("m2po"):
@@ -187,7 +194,7 @@ def test_pace_run_rejects_and_logs_scores(tiny_model_path, tmp_path):
     assert summary["fates"]["rejected"] == len(rejected) == sum(m["pool/rejected"] for m in metrics)
     assert len(rejected) > 0
     assert rejected[["k_wait", "k_gen", "score", "u", "rho", "budget"]].notna().all().all()
-    check_staleness(groups)
+    check_staleness(groups, kv="keep")
     assert all("pool/rho" in m and "pool/budget" in m for m in metrics)
     check_pace_decisions(groups, gamma=1.0)
 

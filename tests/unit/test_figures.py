@@ -211,3 +211,25 @@ def test_trajectories_and_figures_import_one_way():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "False"
+
+
+def test_figure_7_draws_kv_staleness_as_a_fourth_panel_only_when_the_runs_logged_it():
+    runs = [run("Async", record=True), run("PACE")]
+    assert len(build.draw("consumed_staleness", runs).axes) == 3  # runs from before K_kv: no empty panel
+    for r in runs:  # K_kv = K_gen + 1 on PACE's groups, + 2 on Async's
+        r.groups["k_kv"] = r.groups.k_gen + (1.0 if r.label == "PACE" else 2.0)
+    fig = build.draw("consumed_staleness", runs)
+    assert panels(fig)[:3] == PANELS["consumed_staleness"] and panels(fig)[3] == ("KV Staleness $K_{kv}$", ["Async", "PACE"])
+    consumed = {r.label: r.groups[r.groups.fate == "consumed"] for r in runs}
+    counts = [int(re.search(r"n=(\d+)", lb).group(1)) for lb in fig.axes[3].get_legend_handles_labels()[1]]
+    assert counts == [len(consumed["Async"]), len(consumed["PACE"])]
+    # the bars are the consumed groups' K_kv (densities: each method's mean is the bars' centroid, to a bin)
+    for label, bars in zip(["Async", "PACE"], fig.axes[3].containers):
+        mass = [p.get_height() * p.get_width() for p in bars]
+        centroid = sum(m * (p.get_x() + p.get_width() / 2) for m, p in zip(mass, bars))
+        assert sum(mass) == pytest.approx(1.0) and centroid == pytest.approx(consumed[label].k_kv.mean(), abs=0.1)
+    # one method logged it, the other did not: the panel says which
+    runs[0].groups = runs[0].groups.drop(columns="k_kv")
+    fig = build.draw("consumed_staleness", runs)
+    assert panels(fig)[3] == ("KV Staleness $K_{kv}$", ["PACE"])
+    assert [t.get_text() for t in fig.axes[3].texts] == ["Async: not recorded"]

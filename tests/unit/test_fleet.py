@@ -21,7 +21,7 @@ class _LLM:
     def __init__(self, index: int, log: list, tp: int = 1, failure: str | None = None, load_error: bool = False):
         self.index, self.log, self.tp, self.failure, self.load_error = index, log, tp, failure, load_error
         core = SimpleNamespace(outputs_queue=queue.Queue(),  # a child engine's client
-                               call_utility=lambda name, *args: log.append((index, name)))
+                               call_utility=lambda name, *args: log.append((index, name)) or True)
         self.llm_engine = SimpleNamespace(
             engine_core=core, set_weight_version=lambda v: log.append((index, f"label {v}")),
             vllm_config=SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"),
@@ -56,6 +56,24 @@ def test_an_update_pauses_loads_checks_labels_and_resumes_every_engine_in_that_o
     for e in (0, 1):
         assert _calls(log, e) == ["pause_scheduler", "start_weight_update", "update_weights", "finish_weight_update",
                                   "pace_weight_update_failure", "label 7", "resume_scheduler"]
+
+
+def test_with_recompute_an_update_drops_the_kv_of_the_running_requests_after_the_load():
+    """rollout.kv_on_update=recompute: after the load, before the resume, each engine preempts its running
+    requests (vLLM `reset_prefix_cache(reset_running_requests=True)`): they are prefilled again under
+    the new weights when it resumes (an in-process engine may step between an update's calls, so not
+    before the load). keep (the default): not called."""
+    log = []
+    fleet = EngineFleet([_LLM(0, log), _LLM(1, log)])
+    fleet.reprefill_on_update = True
+    fleet.update(2, {})
+    for e in (0, 1):
+        assert _calls(log, e)[:5] == ["pause_scheduler", "start_weight_update", "update_weights", "finish_weight_update",
+                                      "reset_prefix_cache"]
+    log.clear()
+    fleet.reprefill_on_update = False
+    fleet.update(3, {})
+    assert "reset_prefix_cache" not in _calls(log)
 
 
 def test_a_load_that_fails_resumes_the_engines_and_leaves_the_label():

@@ -21,6 +21,7 @@ class StandIn:
 
     def __init__(self):
         self.posts: list[str] = []
+        self.queries: list[str] = []  # each POST's query string
         self.rpc_results: list = [None]
         stand_in = self
 
@@ -42,6 +43,7 @@ class StandIn:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 path = self.path.split("?")[0]
                 stand_in.posts.append(path)
+                stand_in.queries.append(self.path.partition("?")[2])
                 self._send({"results": stand_in.rpc_results} if path == "/collective_rpc" else {})
 
             def log_message(self, *args):
@@ -212,3 +214,16 @@ def test_a_drained_server_leaves_at_the_next_update_its_requests_moved_at_the_ti
     fleet.init_weight_transfer_engine({"rank_offset": 1, "world_size": 2})
     assert b.posts == ["/shutdown_weight_transfer_engine"]  # released, not in the new group
     assert a.posts[-1] == "/init_weight_transfer_engine" and fleet.transfer_workers() == 1
+
+
+@pytest.mark.parametrize("reprefill", [False, True])
+def test_an_update_pauses_the_servers_keeping_or_dropping_the_kv_of_their_requests(stand_ins, fleets, reprefill):
+    """rollout.kv_on_update: keep pauses with the KV kept; recompute asks vLLM to clear the cache
+    (with mode=keep it preempts the running requests, prefilled again at /resume)."""
+    (a,) = stand_ins(1)
+    fleet = fleets([a.url], max_restarts=0)
+    fleet.reprefill_on_update = reprefill
+    fleet.begin_update()
+    fleet._resume()
+    pause = a.queries[a.posts.index("/pause")]
+    assert sorted(pause.split("&")) == ["clear_cache=" + ("true" if reprefill else "false"), "mode=keep"]

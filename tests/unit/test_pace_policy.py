@@ -227,6 +227,39 @@ def test_pfs_candidates_are_the_groups_a_predicted_budget_can_reach():
         assert len(pace(b=2, target=0, kind=kind).pfs_candidates(cols, step=10)) == 0
 
 
+def test_kv_aware_ranks_by_kv_staleness_in_k_gens_place():
+    # One response each, both completed at c = 3 (K_wait = 5 − 3 = 2 at step 5), no later request:
+    # a: v = (0, 0, 3, 3) → K_gen = (3 + 3 + 0 + 0)/4 = 1.5; its KV is version 0's throughout → K_kv = 3
+    # b: v = (1, 1, 1, 1) → K_gen = K_kv = 2. B = 1, target 1, ema 0 → budget 1.
+    # effective, γ = 1, window (0.1 … 0.4): u(a) = 0.75, u(b) = 1
+    #   K_gen: a 2 + 0.75·1.5 = 3.125, b 2 + 2 = 4 → b rejected; K_kv: a 2 + 0.75·3 = 4.25 → a rejected
+    # raw: a 3.5 vs b 4 → b; kv_aware: 5 vs 4 → a.  generation: 1.5 vs 2 → b; kv_aware: 3 vs 2 → a.
+    want = {("effective", False): (1, 3.125, 4.0), ("effective", True): (0, 4.25, 4.0),
+            ("raw", False): (1, 3.5, 4.0), ("raw", True): (0, 5.0, 4.0),
+            ("generation", False): (1, 1.5, 2.0), ("generation", True): (0, 3.0, 2.0)}
+    for (kind, kv_aware), (rejected, score_a, score_b) in want.items():
+        a, b = group(0, [0, 0, 3, 3], 3, pfs=0.3), group(1, [1] * 4, 3, pfs=0.4)
+        assert (a.k_gen(), a.k_kv(), b.k_gen(), b.k_kv()) == (1.5, 3.0, 2.0, 2.0)
+        p = PacePolicy(1, 100, score=kind, gamma=1.0, target_pool=1, ema=0.0, score_window=16, kv_aware=kv_aware)
+        p.record_pfs([0.1, 0.2, 0.3, 0.4])
+        sel = p.select(PoolColumns.of([a, b]), step=5)
+        assert [g.id for g, _, _ in sel.removed] == [rejected], (kind, kv_aware)
+        assert (a.scores["score"], b.scores["score"]) == (score_a, score_b), (kind, kv_aware)
+        assert a.scores["s_eff"] == 2 + 0.75 * (3.0 if kv_aware else 1.5)  # logged S_eff: the term ranked
+
+
+def test_kv_aware_widens_the_pfs_candidates_by_kv_staleness():
+    # The case above, with group 5 made of two tokens v = (4, 5) at c = 5: K_wait = 5, K_gen = 0.5
+    # (upper bound 5.5 < 6, the 5th highest lower bound: not a candidate), K_kv = 1 (upper bound 6:
+    # under kv_aware it can reach the budget, so its PFS matters)
+    pooled = [group(i, [4, 5] if i == 5 else [max(0, i - 3 * (i == 6))], i) for i in range(8)]
+    cols = PoolColumns.of(pooled)
+    for kv_aware, want in ((False, [0, 1, 2, 3, 4, 6]), (True, [0, 1, 2, 3, 4, 5, 6])):
+        p = PacePolicy(2, 100, score="effective", gamma=1.0, target_pool=4, ema=0.5, score_window=16,
+                       kv_aware=kv_aware)
+        assert [g.id for g in cols.groups(p.pfs_candidates(cols, step=10))] == want
+
+
 def test_pace_in_a_pool_keeps_accounting():
     pool = Pool(pace(b=2, target=2, ema=0.0), informative=lambda g: True)
     for i in range(8):

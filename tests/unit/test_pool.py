@@ -303,7 +303,7 @@ def test_state_dict_round_trip_counts_inflight_as_dropped() -> None:
     cfg = OmegaConf.create({"data": {"batch_prompts": 2}, "rollout": {"max_inflight_groups": 8},
                             "pool": {"name": "pace", "max_lag": 4.0, "max_head_offpolicyness": 4, "record_effective": 0.0},
                             "pace": {"score": "effective", "gamma": 2.0, "target_pool": 2, "ema": 0.5, "score_window": 8,
-                                     "selection": "pool"}})
+                                     "selection": "pool", "kv_aware": False}})
     pool = Pool(build_policy(cfg), informative)
     for gid in range(6):
         submit_and_add(pool, make_group(gid, submitted_at=0), version=0)

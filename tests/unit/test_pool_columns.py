@@ -27,6 +27,8 @@ def test_columns_hold_each_groups_staleness():
     assert cols.c_mean[s].tolist() == [5.0, 3.0]
     assert cols.completed[s].tolist() == [6, 3]
     assert cols.k_gen[s][0] == pytest.approx(g.k_gen())
+    # K_kv: t2's KV is version 4's throughout: (1·(2 − 1) + 3·(6 − 4))/4 = 7/4 > K_gen = (1 + 3)/4
+    assert cols.k_kv[s].tolist() == [g.k_kv(), 0.0] and g.k_kv() == 7 / 4 and g.k_gen() == 1.0
     assert np.isnan(cols.pfs[s][0]) and cols.pfs[s][1] == 0.5
     assert cols.pfs_version[s].tolist() == [-1, -1]
     # K_wait from the columns equals the group's own token-weighted K_wait at any step

@@ -20,7 +20,7 @@ def cfg(name: str, record: float, **pace) -> OmegaConf:
     return OmegaConf.create({
         "pool": {"name": name, "max_lag": 2.0, "max_head_offpolicyness": 1, "record_effective": record},
         "pace": {"score": "effective", "gamma": 2.0, "target_pool": None, "ema": 0.5, "score_window": 8,
-                 "prefix_tokens": 4, "selection": "pool", **pace},
+                 "prefix_tokens": 4, "selection": "pool", "kv_aware": False, **pace},
         "data": {"batch_prompts": B}, "rollout": {"max_inflight_groups": 64}})
 
 
@@ -81,6 +81,18 @@ def test_recorded_effective_staleness_is_paces_formula():
             assert g.scores["u"] == 1.0  # not rescored: K_gen counts in full, as in PACE
     assert len(window) >= 8  # the window (size 8) was full for the later groups: u < 1 happens
     assert any(g.scores["u"] < 1.0 for g in scored)
+
+
+@pytest.mark.parametrize("name, record", [("async", 1.0), ("pace", 0.0)])
+def test_kv_aware_effective_staleness_counts_kv_staleness(name, record):
+    """`pace.kv_aware` reaches PACE and the record: S_eff = K_wait + u^γ K_kv on every decided group."""
+    _, groups = drive(build_policy(cfg(name, record, kv_aware=True)))
+    scored = [g for g in groups if "s_eff" in g.scores]
+    assert scored
+    for g in scored:
+        assert g.scores["s_eff"] == pytest.approx(g.k_wait(g.step) + g.scores["u"] ** 2.0 * g.k_kv())  # γ = 2
+    # the groups span versions within one request: K_kv > K_gen where the PFS discounts it
+    assert any(g.k_kv() > g.k_gen() and 0 < g.scores["u"] for g in scored)
 
 
 def test_the_record_scores_each_group_once_at_the_head():

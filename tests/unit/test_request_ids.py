@@ -14,6 +14,7 @@ pytestmark = pytest.mark.unit
     (ids.response(12, 7), RequestId("g", 12, 7)),
     (ids.response(12, 7, turn=3), RequestId("g", 12, 7, 3)),
     (ids.scoring(40, 15), RequestId("s", 40, 15)),
+    (ids.kv_probe(40, 15), RequestId("k", 40, 15)),
     (ids.evaluation(ids.validation_prefix(6), "arith_l1", 3), RequestId("v", 6)),
     (ids.evaluation(ids.validation_prefix(0), "math-500", 3, sample=2, turn=1), RequestId("v", 0)),  # a '-' in the set
 ])
@@ -29,7 +30,7 @@ def test_the_ids_are_the_ones_the_engines_have_always_seen():
 
 
 @pytest.mark.parametrize("foreign", ["", "g", "g3", "g3-", "g-1", "gx-1", "g3-1-2-4", "g3-1-0", "s3", "s3-1-2",
-                                     "v", "v3", "vx-aime-1", "eval-aime-3", "rescore-0", "x3-1", "g3-1.2"])
+                                     "v", "v3", "vx-aime-1", "k3", "k3-1-2", "eval-aime-3", "rescore-0", "x3-1", "g3-1.2"])
 def test_a_foreign_id_is_refused_naming_it(foreign):
     with pytest.raises(ValueError, match=f"request id '{foreign}' is not one of the rollout's"):
         ids.parse(foreign)
@@ -38,6 +39,8 @@ def test_a_foreign_id_is_refused_naming_it(foreign):
 def test_a_group_key_is_only_for_responses_and_scoring():
     with pytest.raises(ValueError, match="no group key for request kind 'v'"):
         ids.group_key(ids.VALIDATION, 3)
+    with pytest.raises(ValueError, match="no group key for request kind 'k'"):  # a probe is one request
+        ids.group_key(ids.KV_PROBE, 3)
 
 
 def test_a_wire_id_is_the_request_and_its_serial():

@@ -19,7 +19,7 @@ from pace.logger import group_schema
 from pace.pool.policies import POLICIES
 from pace.sim.config import SimRunConfig, validate_sim
 from pace.sim.engine import SimEngine
-from pace.sim.records import _COLUMNS, SimGroup
+from pace.sim.records import _COLUMNS, SimGroup, group_columns
 from pace.sim.run import Simulation
 
 pytestmark = pytest.mark.unit
@@ -103,6 +103,35 @@ def test_engine_update_in_flight_splits_spans_and_kv_preempts():
     assert e.stats["preempted"] >= 1 and sorted(f.index for f in finished) == [0, 1]
     assert [sum(s[1::2]) for s in g.spans] == [6, 6]  # every token once, across the preemption
     assert max(f.time for f in finished) > 6  # not both at once: 2 × (2 + 6) > 12 tokens of KV
+
+
+def test_engine_kv_staleness_under_keep_and_recompute_by_hand():
+    """The update case above, with a prompt prefill of 0.1 s a token: under keep the three tokens
+    after the update attend to version 0's KV (w_t = 0 throughout: K_kv = 6/6 = 1 > K_gen = 3/6);
+    with `reprefill` the load re-prefills prompt (2) + response so far (3): 5 tokens, 0.5 s on the
+    next step, and w_t = v_t (K_kv = K_gen)."""
+    for reprefill, end, k_kv in ((False, 6.7, 1.0), (True, 7.2, 0.5)):
+        e = _engine(stall_s=0.5, prefill_token_s=0.1)
+        e.reprefill = reprefill
+        g = _group(6, prompt=2)
+        e.submit(g, 0.0)  # steps end at 1.2 (with the prompt's 0.2 s), 2.2, 3.2
+        e.load_weights(1, 2.5)
+        assert [f.time for f in _drain(e)] == [pytest.approx(end)] and g.spans == [[0, 3, 1, 3]]
+        g.done_at[:] = 1
+        g.complete()
+        assert g.staleness(1)[1] == 0.5 and g.k_kv() == k_kv
+        assert e.stats["reprefill_tokens"] == 5 * reprefill and e.stats["prefill_tokens"] == 2 + 5 * reprefill
+
+
+def test_span_kv_sum_by_hand():
+    from pace.sim.records import span_kv_sum
+
+    spans = [0, 3, 1, 2, 4, 5]  # v = 0 0 0 1 1 4 4 4 4 4
+    assert span_kv_sum(spans) == 0
+    assert span_kv_sum(spans, [4]) == 1 * 6  # tokens 4… attend to the KV of token 4 (version 1)
+    assert span_kv_sum(spans, [3, 6]) == 1 * 3 + 4 * 4  # runs 0–2 (v 0), 3–5 (v 1), 6–9 (v 4)
+    for starts in ([], [4], [3, 6], [1, 2, 5, 9]):  # the per-token definition, pace/staleness.py
+        assert span_kv_sum(spans, starts) == int(staleness.kv_versions(np.repeat(spans[0::2], spans[1::2]), starts).sum())
 
 
 def _waves(step: int) -> tuple[int, int, int]:
@@ -189,6 +218,36 @@ def test_groups_satisfy_lemma_1_and_their_token_records():
         expect = staleness.group_staleness(versions, g.done_at.tolist(), g.step)
         k, k_gen, k_wait = g.staleness(g.step)
         assert (k, k_gen, k_wait) == pytest.approx(expect, abs=1e-12) and k == pytest.approx(k_gen + k_wait, abs=1e-12)
+
+
+def test_kv_staleness_of_simulated_groups_is_the_per_token_definition():
+    """K_kv of each consumed group equals `pace.staleness`'s per token: w_t the version of the
+    first token of the engine run that made it (a preempted sequence is prefilled again on resume),
+    K_kv ≥ K_gen; with engines that re-prefill at every update, K_kv = K_gen."""
+    decided = []
+    sim = Simulation(sim_cfg(*NOISY, "pool.name=async"), on_step=lambda step, m, d: decided.extend(d))
+    sim.run()
+    consumed = [g for g in decided if g.fate.value == "consumed"]
+    resumed_on_newer = 0  # runs resumed after preemption under a newer version than the response's first
+    for g in consumed:
+        versions = [np.repeat(s[0::2], s[1::2]) for s in g.spans]
+        kv = [staleness.kv_versions(v, g.kv_starts.get(j, ())) for j, v in enumerate(versions)]
+        resumed_on_newer += sum((w != w[0]).any() for w in kv)
+        assert g.k_kv() == pytest.approx(staleness.group_kv_staleness(kv, g.done_at.tolist()), abs=1e-12)
+        assert g.k_kv() >= g.k_gen() - 1e-12
+    assert resumed_on_newer > 0 and any(g.k_kv() > g.k_gen() for g in consumed)
+    rows = group_columns(consumed)
+    assert rows["k_kv"] == [g.k_kv() for g in consumed]
+
+    decided.clear()
+    sim = Simulation(sim_cfg(*NOISY, "pool.name=async"), on_step=lambda step, m, d: decided.extend(d))
+    for e in sim.engines:
+        e.reprefill = True
+    sim.run()
+    consumed = [g for g in decided if g.fate.value == "consumed"]
+    assert sum(e.stats["reprefill_tokens"] for e in sim.engines) > 0
+    assert any(g.k_gen() > 0 for g in consumed)
+    assert all(g.k_kv() == pytest.approx(g.k_gen(), abs=1e-12) for g in consumed)
 
 
 def test_simulate_writes_the_run_directory_analysis_reads(tmp_path):
