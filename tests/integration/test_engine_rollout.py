@@ -455,13 +455,17 @@ def test_spanning_responses_are_probed_under_the_new_weights_and_pending_probes_
         assert worker.stats["tokens"] == sum(len(t) for g in groups for t in g.trajectories)
         assert math.isnan(worker.metrics()["mismatch/kv_abs_logp_diff"])  # none returned since
 
+        def admit_then_update(inflight: int, version: int) -> None:
+            """More groups in flight, four engine steps, then θ_version (θ_0's values) loads."""
+            pool.policy.max_inflight_groups = inflight
+            assert worker._admit()
+            for _ in range(4):
+                worker._consume(worker.fleet.step())
+            worker.post_weights(version, weights)
+            assert worker._apply_update()
+
         # a probe pending when θ_2 lands is aborted before the new weights load
-        pool.policy.max_inflight_groups = 4
-        assert worker._admit()
-        for _ in range(4):
-            worker._consume(worker.fleet.step())
-        worker.post_weights(2, weights)
-        assert worker._apply_update()
+        admit_then_update(4, 2)
         while not worker._kv_probes and llm.llm_engine.has_unfinished_requests():
             worker._consume(worker.fleet.step())  # until a response finishes, its probe sent, not yet run
         pending = list(worker._kv_probes)
@@ -477,12 +481,7 @@ def test_spanning_responses_are_probed_under_the_new_weights_and_pending_probes_
         worker.metrics()
 
         # an update to equal values (θ_4 = θ_3): the stale KV is the fresh one, the gap the float floor
-        pool.policy.max_inflight_groups = 6
-        assert worker._admit()
-        for _ in range(4):
-            worker._consume(worker.fleet.step())
-        worker.post_weights(4, weights)
-        assert worker._apply_update()
+        admit_then_update(6, 4)
         drain()
         floor = worker.metrics()
         assert floor["mismatch/kv_tokens"] > 0 and floor["mismatch/kv_abs_logp_diff"] < 1e-4, floor
