@@ -205,13 +205,13 @@ class Pool:
 
     def to_rescore(self, version: int) -> list[Group]:
         """Groups to rescore under weights ``version`` (PACE): those whose PFS could change the next
-        batch's rejections, with K_gen > 0 (K_kv under `pace.kv_aware`: the term u^γ multiplies) and
-        no PFS from ``version`` yet."""
+        batch's rejections, with K_gen > 0 (the term u^γ multiplies; under `pace.kv_aware` K_kv's, which
+        is > 0 exactly when K_gen is: w_t ≤ v_t ≤ c, and w_t = c for a request begun at c) and no PFS
+        from ``version`` yet."""
         with self._lock:
             cols = self._pooled
             slots = self.policy.pfs_candidates(cols, self.batches_formed)
-            k = cols.k_kv if getattr(self.policy, "kv_aware", False) else cols.k_gen  # policies from outside: K_gen
-            return cols.groups(slots[(cols.pfs_version[slots] != version) & (k[slots] > 0)])
+            return cols.groups(slots[(cols.pfs_version[slots] != version) & (cols.k_gen[slots] > 0)])
 
     def set_pfs(self, group: Group, pfs: float, version: int) -> None:
         """Record a group's PFS under weights ``version``; the policy's score window learns it too."""
