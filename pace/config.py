@@ -242,6 +242,9 @@ class AlgoConfig:
     adv_eps: float = 1e-6
     # group-advantage std with Bessel's correction (n − 1), as verl's DAPO recipe (torch.std) and AReaL
     std_unbiased: bool = True
+    # MoE routing replay: the engine returns the experts each token was routed to (vLLM's routed
+    # experts) and the trainer's forward uses them instead of its router's top-k (pace/algo/routing_replay.py)
+    routing_replay: bool = False
 
 
 @dataclass

@@ -54,10 +54,18 @@ class Trajectory:
     ``starts`` holds the token indices where a later engine request of the response began (a tool
     turn, a continuation after a restart or a failover: each prefilled anew); with them the KV
     version of every token follows (`kv_versions`, pace/staleness.py).
+
+    MoE routing replay (`algo.routing_replay`): ``prompt_routes`` [P, layers, top-k] and ``routes``
+    [m, layers, top-k] (m ≤ length) hold the experts the engine routed each prompt and response
+    token to as the model's input (vLLM's `routed_experts`; uint8, uint16 above 256 experts), for the
+    positions known so far from position 0 on (the last token is never an input while generating).
+    `add_routes` only appends: the routes a token got in the request that computed it are kept when
+    a later request (a tool turn, a continuation) computes it again. None: not recorded.
     """
 
     __slots__ = ("_tok", "_n", "_masked", "_stream", "completed_at", "finish_reason", "correct", "reward",
-                 "advantage", "tool_calls", "tool_errors", "resumed", "engine", "starts")
+                 "advantage", "tool_calls", "tool_errors", "resumed", "engine", "starts",
+                 "prompt_routes", "routes")
     FLUSH = 256  # streamed tokens held in Python lists before they move into the array
 
     def __init__(self, response_ids=(), logprobs=(), versions=(), completed_at: int = -1, finish_reason: str = "",
@@ -83,12 +91,35 @@ class Trajectory:
         self.resumed = resumed  # tokens kept from a checkpoint and continued after a restart (0: none)
         self.engine = -1 if engine is None else engine  # the engine that served every turn; −1: several, or unknown
         self.starts: list[int] = []  # token indices where a later request of the response began
+        self.prompt_routes: np.ndarray | None = None  # [P, layers, top-k]: MoE routing replay
+        self.routes: np.ndarray | None = None  # [m ≤ length, layers, top-k]
 
     def begin_request(self) -> None:
         """A new engine request continues the response from its current length (prefilled anew)."""
         n = len(self)
         if n > 0 and (not self.starts or self.starts[-1] != n):
             self.starts.append(n)
+
+    def add_routes(self, rows: np.ndarray, position: int, prompt_len: int) -> None:
+        """The routes of sequence positions ``position`` … ``position + len(rows) − 1`` (prompt and
+        response counted together, the prompt ``prompt_len`` tokens long), as an engine request
+        returned them: the positions not yet recorded are appended, the others are left as they were
+        (a position is recorded once, by the first request that computed it). A gap raises."""
+        rows = np.asarray(rows)
+        if rows.ndim != 3:
+            raise ValueError(f"routes need [positions, layers, top-k] rows, got shape {rows.shape}")
+        if self.prompt_routes is None:
+            if position > 0:
+                raise ValueError(f"routes from position {position} leave the prompt's positions 0.. unrecorded")
+            self.prompt_routes = rows[:prompt_len].copy()
+        elif self.prompt_routes.shape[1:] != rows.shape[1:]:
+            raise ValueError(f"routes of shape {rows.shape[1:]} after {self.prompt_routes.shape[1:]} (layers, top-k)")
+        known = prompt_len + (0 if self.routes is None else len(self.routes))
+        if position > known:
+            raise ValueError(f"routes from position {position} leave positions {known}..{position - 1} unrecorded")
+        new = rows[known - position:][: max(prompt_len + len(self) - known, 0)]  # response positions not yet known
+        if len(new) or self.routes is None:
+            self.routes = new.copy() if self.routes is None else np.concatenate([self.routes, new])
 
     def served_by(self, engine: int | None) -> None:
         """An output of ``engine`` (None: unknown) was appended: a second engine makes it −1, for good."""
@@ -136,6 +167,8 @@ class Trajectory:
         self._flush()
         self._n = min(self._n, n)
         self.starts = [s for s in self.starts if s <= self._n]
+        if self.routes is not None:
+            self.routes = self.routes[: self._n]
 
     def finish(self) -> None:
         """Drop the spare capacity of growth (a finished response does not grow)."""
@@ -197,9 +230,10 @@ class Trajectory:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the per-token array (capacity included; streamed tokens moved into it first)."""
+        """Host bytes of the per-token record: the array (capacity included; streamed tokens moved
+        into it first) and the routes, prompt's included (MoE routing replay)."""
         self._flush()
-        return self._tok.nbytes
+        return self._tok.nbytes + sum(r.nbytes for r in (self.prompt_routes, self.routes) if r is not None)
 
     # --- pickling (checkpoints, the trainer's scatter): the record without spare capacity -----
     def __getstate__(self):
@@ -214,8 +248,8 @@ class Trajectory:
             state.pop("text", None)
             state |= {"_tok": fresh._tok, "_n": fresh._n, "_masked": fresh._masked}
         # (resumed: absent before in-flight resume; engine: before per-engine accounting)
-        # (starts: before KV staleness)
-        state = {"_stream": None, "resumed": 0, "engine": -1, "starts": []} | state
+        # (starts: before KV staleness; routes: before MoE routing replay)
+        state = {"_stream": None, "resumed": 0, "engine": -1, "starts": [], "prompt_routes": None, "routes": None} | state
         for name, value in state.items():
             setattr(self, name, value)
 

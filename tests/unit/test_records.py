@@ -70,3 +70,40 @@ def test_a_checkpoint_from_before_the_compact_record_still_loads():
                     "action_mask": None, "tool_calls": 0, "tool_errors": 0})
     assert t.response_ids.tolist() == [4, 5] and t.versions.tolist() == [2, 3] and t.action_mask is None
     assert t.completed_at == 3 and t.correct and t.advantage == 0.5 and len(t) == 2
+
+
+def _rows(first: int, n: int, layers: int = 3, k: int = 2) -> np.ndarray:
+    """Routes whose every entry names its position (mod 256): which request wrote a row shows."""
+    return np.broadcast_to(((first + np.arange(n)) % 256).astype(np.uint8)[:, None, None], (n, layers, k)).copy()
+
+
+def test_routes_of_a_response_continued_keep_each_segments_rows():
+    """A first request returns the prompt's rows and the response's so far; a continuation that
+    computes the same positions again (its prefill) returns them too: the first ones are kept."""
+    t = Trajectory([5, 6, 7], [-0.1] * 3, [0] * 3)
+    t.add_routes(_rows(0, 6), position=0, prompt_len=4)  # prompt 0-3, response tokens 0-1 (the last is no input)
+    assert t.prompt_routes.shape == (4, 3, 2) and len(t.routes) == 2
+    t.extend([8, 9], [-0.2] * 2, 1)
+    second = _rows(0, 8) + 100  # the continuation's prefill recomputed every position (other experts)
+    t.add_routes(second, position=0, prompt_len=4)
+    assert t.prompt_routes[:, 0, 0].tolist() == [0, 1, 2, 3]  # the prompt's first rows kept
+    assert t.routes[:, 0, 0].tolist() == [4, 5, 106, 107]  # tokens 0-1 from the first request, 2-3 from the second
+    t.add_routes(_rows(8, 1) + 50, position=8, prompt_len=4)  # a request asked for the new positions only
+    assert t.routes[:, 0, 0].tolist() == [4, 5, 106, 107, 58][:len(t)]
+    with pytest.raises(ValueError, match="unrecorded"):
+        t.add_routes(_rows(20, 1), position=20, prompt_len=4)
+
+
+def test_routes_follow_truncation_and_pickling_and_count_in_nbytes():
+    t = Trajectory([1, 2, 3, 4], [0.0] * 4, [0] * 4)
+    before = t.nbytes
+    t.add_routes(_rows(0, 5), position=0, prompt_len=2)
+    assert t.nbytes == before + 5 * 3 * 2
+    t.truncate(2)
+    assert len(t.routes) == 2
+    back = pickle.loads(pickle.dumps(t))
+    assert back.prompt_routes.tolist() == t.prompt_routes.tolist() and back.routes.tolist() == t.routes.tolist()
+    old = {k: v for k, v in t.__getstate__().items() if k not in ("prompt_routes", "routes")}
+    fresh = Trajectory.__new__(Trajectory)
+    fresh.__setstate__(old)  # a checkpoint from before routing replay
+    assert fresh.routes is None and fresh.prompt_routes is None
