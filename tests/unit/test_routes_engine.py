@@ -277,6 +277,10 @@ def test_this_vllm_build_refuses_routing_replay_in_one_line(monkeypatch, tmp_pat
     assert not list(tmp_path.iterdir())
     assert routes.SERVE_FLAG in server.serve_args("m", cfg.rollout, "float32", 0, 8100, routes=True)
     assert routes.SERVE_FLAG not in server.serve_args("m", cfg.rollout, "float32", 0, 8100)
+    built = {}  # what an engine is built with (where vLLM can return routes)
+    monkeypatch.setattr("vllm.LLM", lambda **kwargs: built.update(kwargs))
+    engine_lib._new_llm("m", cfg.rollout, "float32", 0, None, routes=True)
+    assert built["enable_return_routed_experts"] is True and built["enable_prefix_caching"] is True
     # vLLM's own decision, not a constant: with Triton it can; with Model Runner V2 turned off it cannot
     monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", True)
     assert routes.unsupported() is None
