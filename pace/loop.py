@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pace.records import Fate
+from pace.rollout.routes import route_metrics
 
 if TYPE_CHECKING:
     from pace.signals import StopSignal
@@ -65,4 +66,5 @@ def step_metrics(batch, pool, decided, t_wait: float, tools: bool = False) -> di
         "rollout/inflight": pool.inflight,
         "version": batch.step,
         "time/wait_data": t_wait,
+        **route_metrics(trajs),  # MoE routing replay: bytes of the route record per pooled token
     }

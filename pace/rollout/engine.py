@@ -71,20 +71,21 @@ def _engine_process_env(mode: str, gpus: list[int] | None, cache_root: str | Non
 
 
 def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str = "inproc",
-                 backend: str | None = "auto", gpus: list[int] | None = None):
+                 backend: str | None = "auto", gpus: list[int] | None = None, routes: bool = False):
     """One vLLM engine (`LLM`). ``mode`` places its core; ``backend`` enables vLLM's weight
     transfer (a `Placement.transfer`; ``auto``: `rollout.weight_transfer` for this machine, pace's
     shared-memory backend on CPU, which `load_weights` uses, registered in the worker by
-    `worker_extension_cls`; None: no weight transfer)."""
+    `worker_extension_cls`; None: no weight transfer). ``routes``: it returns each token's routed
+    experts (`algo.routing_replay`, pace/rollout/routes.py)."""
     if backend == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         backend = Placement(device, 1, mode, backend_kind(rollout_cfg, device), None).transfer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "child" else "0"
     with _engine_process_env(mode, gpus):
-        return _new_llm(model_path, rollout_cfg, dtype, seed, backend)
+        return _new_llm(model_path, rollout_cfg, dtype, seed, backend, routes)
 
 
-def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str | None):
+def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str | None, routes: bool = False):
     import logging
 
     from vllm import LLM
@@ -96,6 +97,8 @@ def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str |
     if backend is not None:
         extra = dict(weight_transfer_config=WeightTransferConfig(backend=transfer.engine_backend(backend)),
                      worker_extension_cls="pace.weights.transfer.WorkerExtension")
+    if routes:  # MoE routing replay: each finished request returns its tokens' routed experts
+        extra["enable_return_routed_experts"] = True
     llm = LLM(
         model=model_path,
         dtype=dtype,
@@ -105,7 +108,7 @@ def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str |
         tensor_parallel_size=rollout_cfg.tensor_parallel_size,
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
         enforce_eager=rollout_cfg.enforce_eager,
-        enable_prefix_caching=True,
+        enable_prefix_caching=True,  # (routed experts need it too: vllm/config/vllm.py, AuxOutput)
         # Validation (VALIDATION_PRIORITY) and PACE's prefix-rescoring requests (SCORING_PRIORITY)
         # are scheduled ahead of waiting generation requests; generation requests all share
         # priority 0 (FCFS among them).
@@ -126,9 +129,10 @@ def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str |
 
 
 def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, placement: Placement,
-                  transfer: bool = True) -> list:
+                  transfer: bool = True, routes: bool = False) -> list:
     """`rollout.engines` engines placed as ``placement`` says (engine e seeded ``seed + e``, on
-    ``placement.gpus[e]`` if given), with its weight-transfer backend (``transfer=False``: none).
+    ``placement.gpus[e]`` if given), with its weight-transfer backend (``transfer=False``: none);
+    ``routes``: returning routed experts (refused first, in one line, by a vLLM that cannot).
 
     Out-of-process engines (``child``) on GPUs of their own are built at once, each `LLM(...)` in a
     thread of its own: nearly all of a build (loading the weights, profiling memory, compiling,
@@ -149,11 +153,15 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, placement
     Engines e ≥ 1 keep their compile caches apart (VLLM_CACHE_ROOT/pace-engine-e): separate `LLM`s
     share vLLM's cache directory (rank 0 of data-parallel rank 0 each) and would write it at once.
     In-process engines share this process's vLLM state: built one after another."""
+    if routes:
+        from pace.rollout import routes as routes_lib
+
+        routes_lib.check_engine()
     mode, backend = placement.mode, placement.transfer if transfer else None
     gpus = [list(ids) for ids in placement.gpus] if placement.gpus is not None else [None] * rollout_cfg.engines
     own_gpus = placement.gpus is not None and len({g for ids in gpus for g in ids}) == sum(map(len, gpus))
     if mode != "child" or len(gpus) == 1 or not own_gpus:
-        return [build_engine(model_path, rollout_cfg, dtype, seed + e, mode, backend, gpus[e])
+        return [build_engine(model_path, rollout_cfg, dtype, seed + e, mode, backend, gpus[e], routes)
                 for e in range(len(gpus))]
     from concurrent.futures import wait
 
@@ -169,7 +177,7 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, placement
                                      os.path.join(cache_root, f"pace-engine-{e}")):
                 before = _core_processes()
                 futures.append(_in_thread(f"pace-engine-build-{e}", _new_llm, model_path, rollout_cfg, dtype,
-                                          seed + e, backend))
+                                          seed + e, backend, routes))
                 _started_core(before, futures[-1], e, rollout_cfg.server_start_timeout_s)
     except BaseException as exc:  # noqa: BLE001 - raised below, once the builds started have ended
         error = exc
@@ -227,14 +235,15 @@ def build_fleet(model_path: str, cfg, placement: Placement, version: int = 0, to
                 log_dir: str | None = None):
     """The rollout engines of a run (rank 0) where ``placement`` puts them, labelled with weight
     version ``version``. Server mode: `rollout.servers`, or `rollout.engines` servers started here
-    (logs in ``log_dir``)."""
+    (logs in ``log_dir``). With `algo.routing_replay` every engine returns routed experts."""
     from pace.rollout.fleet import EngineFleet
 
     if placement.mode == "server":
         from pace.rollout import remote
 
         return remote.build(model_path, cfg, placement, tokenizer, log_dir, version)
-    fleet = EngineFleet(build_engines(model_path, cfg.rollout, cfg.model.dtype, cfg.seed, placement))
+    fleet = EngineFleet(build_engines(model_path, cfg.rollout, cfg.model.dtype, cfg.seed, placement,
+                                      routes=cfg.algo.routing_replay))
     fleet.set_version(version)
     return fleet
 

@@ -12,6 +12,8 @@ twice. What the engine held:
   the engine stamped) and loses the unfinished turn's tokens, whose versions the engine had not
   yet reported (`rollout.failover_lost_tokens`); it then continues from there as a new turn on a
   live engine (prompt + kept tokens prefilled), or starts again from the prompt if nothing was kept;
+  with MoE routing replay it keeps the routes of its finished turns, and the continuation asks for
+  those of every later position (the unfinished turn's went with its engine: pace/rollout/routes.py);
 - a prefix-scoring request: its group's scoring is dropped (`rescore_cancelled`) and asked again
   after the next update, as when new weights land while it runs;
 - a validation request: sent again to a live engine (the weights are held until it is graded);

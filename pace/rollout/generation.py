@@ -10,6 +10,12 @@ ahead of what the rollout thread has read, so there the spans are the record. A 
 finishes gets c(τ) = the trainer's version at that moment; a group whose G responses are done is
 graded (process pool, non-blocking) and then pooled. Each response records the engine that served
 it (`Trajectory.engine`, from the fleet's `engine` on each output; −1 once a second one served it).
+
+MoE routing replay (`algo.routing_replay`): each generation request asks for the routed experts of
+the positions its response has not recorded yet, and its finished output's rows are recorded
+(pace/rollout/routes.py). Scoring, stale-KV probe and validation requests are not recorded: vLLM
+computes and returns their routes too (on their finished output; a server's whole response), and
+they are dropped with the rest of those outputs.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from pace.algo.advantages import correctness_reward, group_advantages, overlong_
 from pace.records import Group, Trajectory
 from pace.rollout import engine as engine_lib
 from pace.rollout import request_ids
+from pace.rollout import routes as routes_lib
 from pace.tools.runner import is_tool_stop
 
 
@@ -56,11 +63,14 @@ def span_versions(spans) -> np.ndarray:
 
 
 class GenerationMixin:
-    def _turn_params(self, max_tokens: int, calls: int):
+    def _turn_params(self, max_tokens: int, calls: int, routes_from: int = 0):
+        """A generation request's parameters; ``routes_from``: the first sequence position whose
+        routed experts it returns (`routes_lib.prompt_start`; used only by an engine that returns them)."""
         from vllm import SamplingParams
 
         tool = self.tools.turn_kwargs(calls) if self.tools is not None else {}
-        return SamplingParams(max_tokens=max_tokens, stop_token_ids=self._stop_ids, **tool, **self._sampling)
+        return SamplingParams(max_tokens=max_tokens, stop_token_ids=self._stop_ids,
+                              routed_experts_prompt_start=routes_from, **tool, **self._sampling)
 
     def _admit(self) -> bool:
         started = False
@@ -117,6 +127,8 @@ class GenerationMixin:
                 self.stats["tokens"] += len(comp.token_ids)
                 if out.finished:
                     self._record_spans(traj, pending.turn_start.get(idx, 0), comp.weight_versions)
+                    if self.cfg.algo.routing_replay:
+                        self._record_routes(pending, traj, comp, out)
                     traj.finish_reason = comp.finish_reason or "stop"
                     tool_call = self.tools is not None and is_tool_stop(comp)
             left = self.cfg.rollout.max_tokens - len(traj) if tool_call else 0
@@ -140,6 +152,18 @@ class GenerationMixin:
                                       f"the rollout's stamps {traj.versions[start:].tolist()}")
             self.stats["versions_checked"] += len(versions)  # tokens whose spans equalled the stamps
         traj.versions[start:] = versions
+
+    def _record_routes(self, pending: _Pending, traj: Trajectory, comp, out) -> None:
+        """The finished request's routed experts, from the position it asked for: the positions the
+        response had not recorded (those it recorded, from an earlier request, are kept). A request
+        aborted in process (a stop before a checkpoint; vLLM's `LLMEngine.abort_request` emits no
+        final output) and one lost with its engine (a failover; a server's stream closed) deliver
+        none: the rows of its positions are lost, and its continuation's request asks for them from
+        the first unknown position (computed again by the weights loaded then). Under
+        rollout.kv_on_update=recompute an update re-prefills a running request without emitting its
+        rows again: its one array keeps the rows computed first, as under keep."""
+        routes_lib.record(traj, getattr(comp, "routed_experts", None), len(pending.group.prompt_ids),
+                          out.request_id, getattr(out, "engine", None))
 
     def _finish_response(self, pending: _Pending, traj: Trajectory) -> None:
         traj.completed_at = self.trainer_version

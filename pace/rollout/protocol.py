@@ -2,7 +2,9 @@
 
 `/inference/v1/generate` (vLLM 0.32, `--enable-scale-out`) takes token ids and `SamplingParams`
 and answers, streamed or whole, with choices carrying token ids, log-probs and, on a request's
-last chunk, the per-token `weight_versions` the engine stamped. `Output` and `Completion` carry the
+last chunk, the per-token `weight_versions` the engine stamped (and, from a server with
+`--enable-return-routed-experts`, the request's `routed_experts`: base64 `.npy`, decoded here into
+the array an in-process engine gives). `Output` and `Completion` carry the
 fields of vLLM's `RequestOutput` / `CompletionOutput` that the rollout reads (pace/rollout/
 generation.py, rescoring.py, pace/evaluation.py), so the rollout code is the same for every fleet.
 """
@@ -10,11 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from pace.rollout.routes import decode as decode_routes
+
 GENERATE = "/inference/v1/generate"
 _PARAM_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
                "prompt_logprobs", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
                "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "repetition_penalty",
-               "presence_penalty", "frequency_penalty")
+               "presence_penalty", "frequency_penalty", "routed_experts_prompt_start")
 
 
 @dataclass
@@ -38,6 +44,7 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     weight_versions: list | None = None
+    routed_experts: np.ndarray | None = None  # [positions, layers, top-k] (last chunk; MoE routing replay)
 
 
 @dataclass
@@ -54,8 +61,10 @@ def completion_from(choice: dict) -> Completion:
     content = (choice.get("logprobs") or {}).get("content")
     lps = None if content is None else [{t: Logprob(c["logprob"])} for t, c in zip(ids, content)]
     spans = choice.get("weight_versions")
+    routes = choice.get("routed_experts")
     return Completion(choice.get("index", 0), ids, lps, choice.get("text") or "", choice.get("finish_reason"),
-                      choice.get("stop_reason"), None if spans is None else [Span(**s) for s in spans])
+                      choice.get("stop_reason"), None if spans is None else [Span(**s) for s in spans],
+                      None if routes is None else decode_routes(routes))
 
 
 def prompt_logprobs_from(entries: list | None) -> list | None:

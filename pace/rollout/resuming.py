@@ -16,6 +16,10 @@ response not started is generated from the prompt, an unfinished one continues a
 version), a response whose program was running has it run again, and a group whose responses were
 all done is graded. The kept tokens keep their versions and log-probs; the continuation's carry
 the resumed version, so a response spans the versions before and after and K_gen stays exact.
+With MoE routing replay a kept response keeps the routes of its finished requests (a turn ended at a
+tool call, an earlier continuation); its unfinished request's were not delivered (vLLM returns them
+on a finished output only, and the stop aborted it), so the continuation asks for the routes from
+the first unknown position on and computes them under the resumed weights (pace/rollout/routes.py).
 """
 from __future__ import annotations
 

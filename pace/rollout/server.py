@@ -9,7 +9,9 @@ run's engines need and nothing of pace's beyond its worker extension:
   (`--enable-scale-out`: `/inference/v1/generate`);
 - the engine settings of `build_engine` (pace/rollout/engine.py): priority scheduling, no
   asynchronous scheduling, processed log-probs, prefix caching, and `worker_extension_cls`, which
-  registers the weight-transfer backends in every worker.
+  registers the weight-transfer backends in every worker;
+- with `algo.routing_replay`, `--enable-return-routed-experts` (each request's routed experts in its
+  final chunk: pace/rollout/routes.py), refused first in one line by a vLLM that cannot.
 
 The flags come from the run's config, so a server started by hand on another node is the server
 the run would start itself:
@@ -39,8 +41,8 @@ ENTRY = "import sys; from vllm.entrypoints.launchers.api_server.entry import mai
 
 
 def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, host: str = "0.0.0.0",
-               backend: str | None = None) -> list[str]:
-    """The server's command-line arguments (after the model)."""
+               backend: str | None = None, routes: bool = False) -> list[str]:
+    """The server's command-line arguments (after the model); ``routes``: returning routed experts."""
     from pace.weights import transfer
 
     r = rollout_cfg
@@ -54,6 +56,10 @@ def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, h
             "--disable-uvicorn-access-log"]
     if r.enforce_eager:
         args.append("--enforce-eager")
+    if routes:
+        from pace.rollout.routes import SERVE_FLAG
+
+        args.append(SERVE_FLAG)
     if backend is not None:
         args += ["--weight-transfer-config", '{"backend": "%s"}' % transfer.engine_backend(backend)]
     return args
@@ -168,11 +174,16 @@ def launch_local(model_path: str, cfg, placement: Placement, log_dir: Path, tran
     (or raises, stopping them, naming the one that failed and its log)."""
     r = cfg.rollout
     backend = placement.transfer if transfer else None
+    if cfg.algo.routing_replay:  # the servers run this host's vLLM
+        from pace.rollout.routes import check_engine
+
+        check_engine()
     servers = []
     try:
         for e in range(r.engines):
             port = free_port()
-            args = serve_args(model_path, r, cfg.model.dtype, cfg.seed + e, port, host="127.0.0.1", backend=backend)
+            args = serve_args(model_path, r, cfg.model.dtype, cfg.seed + e, port, host="127.0.0.1", backend=backend,
+                              routes=cfg.algo.routing_replay)
             gpus = None if placement.gpus is None else list(placement.gpus[e])
             servers.append(LocalServer(args, serve_env(r, placement.device, gpus),
                                        Path(log_dir) / f"engine{e}.log", port))
@@ -215,8 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     gpus = None  # a server on a node of its own: `rollout.gpus`' share of engine E, else every visible GPU
     if placement.device == "cuda" and r.gpus:
         gpus = list(r.gpus)[args.engine * r.tensor_parallel_size:(args.engine + 1) * r.tensor_parallel_size]
+    if cfg.algo.routing_replay:
+        from pace.rollout.routes import check_engine
+
+        check_engine()
     cmd = [sys.executable, "-c", ENTRY, *serve_args(model, r, cfg.model.dtype, cfg.seed + args.engine, args.port,
-                                                    args.host, placement.transfer)]
+                                                    args.host, placement.transfer, cfg.algo.routing_replay)]
     print(" ".join(cmd[3:]), file=sys.stderr, flush=True)
     env = serve_env(r, placement.device, gpus)
     os.execve(sys.executable, cmd, env)

@@ -13,6 +13,7 @@ is no longer set. c(τ) is set when the last turn finishes.
 from __future__ import annotations
 
 from pace.rollout import engine as engine_lib
+from pace.rollout import routes as routes_lib
 
 
 class ToolTurnsMixin:
@@ -41,12 +42,15 @@ class ToolTurnsMixin:
     def _continue(self, pending, idx: int) -> None:
         """Generate the rest of response ``idx`` as a new request: prompt + the response so far
         (prefilled, not sampled), the rest of the `max_tokens` budget, salted with the weights now
-        loaded. After a tool call, and for a response kept across a restart (pace/rollout/resuming.py)."""
+        loaded. After a tool call, for a response kept across a restart (pace/rollout/resuming.py)
+        and for one whose engine failed (pace/rollout/failover.py). With MoE routing replay it asks
+        for the routed experts of the positions not yet recorded only (pace/rollout/routes.py)."""
         traj = pending.responses[idx]
         pending.turns[idx] = pending.turns.get(idx, 0) + 1
         pending.turn_start[idx] = len(traj)  # vLLM's spans of this request start here
         traj.begin_request()  # prefilled anew: its tokens' context is this request's (KV staleness)
         prompt = {"prompt_token_ids": pending.group.prompt_ids + traj.response_ids.tolist(),
                   "cache_salt": engine_lib.cache_salt(self.engine_version)}
-        params = self._turn_params(self.cfg.rollout.max_tokens - len(traj), calls=traj.tool_calls)
+        params = self._turn_params(self.cfg.rollout.max_tokens - len(traj), calls=traj.tool_calls,
+                                   routes_from=routes_lib.prompt_start(traj, len(pending.group.prompt_ids)))
         self.fleet.add_request(pending.request_id(idx), prompt, params, group=pending.key)

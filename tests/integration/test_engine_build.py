@@ -33,9 +33,9 @@ def test_child_engines_are_built_at_once_each_with_its_own_environment(tiny_mode
     monkeypatch.setenv("VLLM_CACHE_ROOT", "/tmp/pace-test-vllm-cache")
     spans, real = {}, engine_lib._new_llm
 
-    def timed(model_path, rollout_cfg, dtype, seed, backend):
+    def timed(model_path, rollout_cfg, dtype, seed, backend, routes=False):
         start = time.monotonic()
-        llm = real(model_path, rollout_cfg, dtype, seed, backend)
+        llm = real(model_path, rollout_cfg, dtype, seed, backend, routes)
         spans[seed] = (start, time.monotonic(), threading.current_thread().name)
         return llm
 

@@ -63,7 +63,7 @@ def test_a_fleet_build_gives_each_engine_its_gpus_and_leaves_none_running_when_o
 
     seen, closed = [], []
 
-    def build(model_path, rollout_cfg, dtype, seed, backend):
+    def build(model_path, rollout_cfg, dtype, seed, backend, routes=False):
         seen.append((seed, os.environ.get("CUDA_VISIBLE_DEVICES"), "RANK" in os.environ))
         if seed == 12:
             raise RuntimeError("engine 2 failed")
@@ -109,7 +109,7 @@ def test_a_build_that_never_spawns_its_core_fails_by_the_start_deadline(monkeypa
 
     closed, release = [], threading.Event()
 
-    def build(model_path, rollout_cfg, dtype, seed, backend):
+    def build(model_path, rollout_cfg, dtype, seed, backend, routes=False):
         if seed == 11:
             release.wait(30)  # hangs (until the test lets it go)
         return _Engine(seed, closed)
@@ -162,7 +162,7 @@ def test_an_engine_built_without_a_backend_gets_the_one_configured_for_this_mach
     from pace.rollout import engine as engine_lib
 
     built = []
-    monkeypatch.setattr(engine_lib, "_new_llm", lambda path, cfg, dtype, seed, backend: built.append(backend))
+    monkeypatch.setattr(engine_lib, "_new_llm", lambda path, cfg, dtype, seed, backend, routes=False: built.append(backend))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # build_engine sets it; restored after
     cfg = OmegaConf.create({"engine_process": "auto", "weight_transfer": "auto", "placement": "separate", "engines": 1,
                             "tensor_parallel_size": 1, "gpus": None})

@@ -1,0 +1,288 @@
+"""MoE routing replay, the engine side: the rollout worker's real code fed vLLM's own output types
+(`RequestOutput` / `CompletionOutput` with `routed_experts`) by a stand-in in-process engine (the
+CPU vLLM build cannot return routes: the last test shows why), the remote client's decoding of a
+server's base64 routes, and the one-line refusal on this build."""
+from __future__ import annotations
+
+import pickle
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from pace.config import Config
+from pace.errors import ConfigError
+from pace.pool import Pool, build_policy
+from pace.tasks.base import Prompt, PromptSampler
+from pace.tools.protocol import CODE_STOP
+
+pytestmark = pytest.mark.unit
+
+PROMPT = "1+1=?\n"  # 6 token ids with the stand-in tokenizer
+P = len(PROMPT)
+
+
+class RoutingEngine:
+    """An in-process `LLMEngine` stand-in that returns routed experts as vLLM 0.32 does: one token
+    per request and step (under the version set last), and on the finished output the rows of
+    positions ``routed_experts_prompt_start`` … len(prompt) + generated − 2, each row naming its
+    position (layer 0) and the request that computed it (layer 1). A tool turn stops at `</code>`
+    after ``turn`` tokens; an abort emits nothing (as `LLMEngine.abort_request`)."""
+
+    def __init__(self, first_serial: int = 1, turn: int = 3):
+        self.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
+        self.output_processor = SimpleNamespace(external_req_ids={}, request_states={})  # no partial versions
+        self.requests: dict[str, dict] = {}
+        self.asked: list[tuple[str, int]] = []  # (request id, routed_experts_prompt_start) of every request
+        self.serial, self.turn, self.version = first_serial - 1, turn, "0"
+
+    def add_request(self, rid, prompt, params, priority=0):
+        start = params.routed_experts_prompt_start
+        assert 0 <= start <= len(prompt["prompt_token_ids"])  # vLLM's check (v1/engine/input_processor.py)
+        self.serial += 1
+        self.asked.append((rid, start))
+        self.requests[rid] = dict(prompt=list(prompt["prompt_token_ids"]), params=params, versions=[],
+                                  serial=self.serial)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def set_weight_version(self, version):
+        self.version = version
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+    def reset_prefix_cache(self, *args):
+        return True
+
+    def step(self):
+        from vllm.logprobs import Logprob
+        from vllm.outputs import CompletionOutput, RequestOutput, WeightVersionSpan
+
+        outs = []
+        for rid, r in list(self.requests.items()):
+            tok = 40 + r["serial"]
+            r["versions"].append(self.version)
+            n, params = len(r["versions"]), r["params"]
+            reason = stop = None
+            if params.stop and n == self.turn:
+                reason, stop = "stop", CODE_STOP
+            elif n == params.max_tokens:
+                reason = "length"
+            routes = spans = None
+            if reason is not None:
+                del self.requests[rid]
+                positions = np.arange(params.routed_experts_prompt_start, len(r["prompt"]) + n - 1)
+                routes = np.stack([np.repeat(positions[:, None], 2, 1), np.full((len(positions), 2), r["serial"])],
+                                  axis=1).astype(np.uint8)  # [positions, layers 2, top-k 2]
+                spans = [WeightVersionSpan(v, i, i + 1) for i, v in enumerate(r["versions"])]
+            comp = CompletionOutput(0, "", [tok], None, [{tok: Logprob(-0.5)}], routed_experts=routes,
+                                    finish_reason=reason, stop_reason=stop, weight_versions=spans)
+            outs.append(RequestOutput(rid, None, r["prompt"], None, [comp], reason is not None))
+        return outs
+
+
+class Tokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["" for _ in ids]
+
+
+class Grader:
+    def submit(self, texts, answers):
+        future = Future()
+        future.set_result([False] * len(texts))
+        return future
+
+    def check(self):
+        pass
+
+
+class Tools:
+    """A `ToolRunner` stand-in: one call per response, its interpreter output two tokens."""
+
+    def __init__(self):
+        self.submitted, self.stats, self.running = [], {}, 0
+
+    def turn_kwargs(self, calls):
+        return {"stop": [CODE_STOP], "include_stop_str_in_output": True} if calls < 1 else {}
+
+    def submit(self, key, turn_ids, budget):
+        self.submitted.append(key)
+
+    def poll(self):
+        done, self.submitted = [(key, SimpleNamespace(ok=True), [7, 8]) for key in self.submitted], []
+        return done
+
+    def close(self):
+        pass
+
+
+def _worker(engine, max_tokens=6, tools=False):
+    from pace.rollout.fleet import EngineFleet
+    from pace.rollout.worker import RolloutWorker
+
+    cfg = OmegaConf.structured(Config)
+    cfg.algo.routing_replay = True
+    cfg.data.group_size, cfg.rollout.max_inflight_groups, cfg.rollout.max_tokens = 1, 1, max_tokens
+    pool = Pool(build_policy(cfg), informative=lambda g: True)
+    worker = RolloutWorker(EngineFleet([SimpleNamespace(llm_engine=engine)]), Tokenizer(),
+                           PromptSampler([Prompt("p0", PROMPT, "2")]), pool, grader=Grader(), cfg=cfg)
+    if tools:  # (the worker builds a `ToolRunner` when rollout.max_tool_calls > 0)
+        worker.tools = Tools()
+        worker._sampling["detokenize"] = True  # stop strings are matched on text
+        worker.params = worker._turn_params(max_tokens, calls=0)  # the first turn stops at </code>
+    return worker
+
+
+def _update(worker, version):
+    """A weight update between engine steps, in-flight requests kept (pause "keep")."""
+    worker.fleet.set_version(version)
+    worker.engine_version = worker.trainer_version = version
+
+
+def _graded(worker):
+    return worker._grading[-1][0].trajectories[0]
+
+
+def test_a_request_spanning_an_update_records_its_prompt_and_response_rows():
+    engine = RoutingEngine()
+    w = _worker(engine)
+    assert w._admit()
+    for _ in range(3):
+        w._consume(w.fleet.step())
+    _update(w, 1)
+    for _ in range(3):
+        w._consume(w.fleet.step())
+    t = _graded(w)
+    assert t.versions.tolist() == [0, 0, 0, 1, 1, 1] and engine.asked == [(engine.asked[0][0], 0)]
+    assert t.prompt_routes.shape == (P, 2, 2) and t.prompt_routes[:, 0, 0].tolist() == list(range(P))
+    assert t.routes[:, 0, 0].tolist() == list(range(P, P + 5))  # response tokens 0-4 (the last is no input)
+    assert set(t.routes[:, 1, 0].tolist()) == {1}  # one request, one array, across the update
+    from pace.loop import step_metrics
+    from pace.records import Batch
+
+    pooled = w._grading[-1][0]
+    m = step_metrics(Batch(1, [pooled]), w.pool, [], 0.0)
+    assert m["moe/route_bytes_per_token"] == (P + 5) * 2 * 2 / 6  # prompt's rows included, per response token
+
+
+def test_a_tool_turn_asks_for_the_unknown_positions_and_keeps_the_first_turns_rows():
+    engine = RoutingEngine()
+    w = _worker(engine, max_tokens=8, tools=True)
+    w._admit()
+    for _ in range(3):  # turn 1 stops at </code> after 3 tokens: rows of positions 0 … P + 1
+        w._consume(w.fleet.step())
+    w._collect_tools()  # its output (2 tokens) appended; the continuation asks from token 2 (the last sampled)
+    rid, start = engine.asked[-1]
+    assert start == P + 2 and engine.requests[rid]["prompt"][:P] == [ord(c) for c in PROMPT]
+    for _ in range(3):
+        w._consume(w.fleet.step())
+    t = _graded(w)
+    assert len(t) == 8 and t.prompt_routes[:, 1, 0].tolist() == [1] * P
+    assert t.routes[:, 0, 0].tolist() == list(range(P, P + 7))
+    assert t.routes[:, 1, 0].tolist() == [1, 1, 2, 2, 2, 2, 2]  # turn 1's rows kept; the rest from turn 2
+
+
+def test_a_response_stopped_and_resumed_keeps_the_first_segments_rows():
+    """Turn 1 (finished: its rows recorded), then turn 2 stopped after 2 tokens (an in-process abort
+    delivers no rows), the checkpoint, `resume=`: the continuation asks from the first unknown
+    position and its rows fill the rest; the first segment's rows stay."""
+    engine = RoutingEngine()
+    w = _worker(engine, max_tokens=10, tools=True)
+    w._admit()
+    for _ in range(3):
+        w._consume(w.fleet.step())
+    w._collect_tools()
+    for _ in range(2):  # turn 2 (request 2): 2 tokens, then the stop
+        w._consume(w.fleet.step())
+    w._abort_all()
+    assert not engine.requests
+    kept = pickle.loads(pickle.dumps(w.state_dict()["inflight"]))  # as a checkpoint keeps them
+    t = kept[0].responses[0]
+    assert len(t) == 7 and len(t.routes) == 2  # turn 1's two rows; request 2's were lost with its abort
+
+    again = RoutingEngine(first_serial=10)
+    w2 = _worker(again, max_tokens=10, tools=True)
+    _update(w2, 1)  # the resumed weights
+    w2.load_inflight(kept, 1)
+    assert w2._continue_resumed()
+    rid, start = again.asked[-1]
+    assert start == P + 2  # the first unknown position: the last token of turn 1
+    for _ in range(3):
+        w2._consume(w2.fleet.step())
+    t = _graded(w2)
+    assert t.versions.tolist() == [0] * 7 + [1] * 3
+    assert t.prompt_routes[:, 1, 0].tolist() == [1] * P  # the first segment's rows: request 1's
+    assert t.routes[:, 0, 0].tolist() == list(range(P, P + 9))
+    assert t.routes[:, 1, 0].tolist() == [1, 1] + [10] * 7
+
+
+def test_a_finished_output_without_routes_is_refused_in_one_line():
+    engine = RoutingEngine()
+    w = _worker(engine, max_tokens=1)
+    w._admit()
+    out = engine.step()[0]
+    out.outputs[0].routed_experts = None  # a server started without the flag
+    out.engine = 0
+    with pytest.raises(ConfigError, match=r"^algo\.routing_replay=true: rollout engine 0 returned no routed experts"):
+        w._consume([out])
+
+
+def test_the_remote_client_decodes_a_final_chunks_routes():
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.serial_utils import numpy2base64
+
+    from pace.rollout.protocol import completion_from, params_json
+
+    rows = np.arange(5 * 3 * 2, dtype=np.uint8).reshape(5, 3, 2)
+    chunk = {"index": 0, "finish_reason": "length", "token_ids": [21], "routed_experts": numpy2base64(rows),
+             "logprobs": {"content": [{"token_id": 21, "logprob": -0.5}]}}
+    comp = completion_from(chunk)
+    assert comp.routed_experts.dtype == np.uint8 and np.array_equal(comp.routed_experts, rows)
+    assert completion_from({**chunk, "routed_experts": None, "finish_reason": None}).routed_experts is None
+    wide = rows.astype(np.uint16) + 300  # above 256 experts vLLM sends uint16
+    assert np.array_equal(completion_from({**chunk, "routed_experts": numpy2base64(wide)}).routed_experts, wide)
+    assert params_json(SamplingParams(max_tokens=4, routed_experts_prompt_start=17))["routed_experts_prompt_start"] == 17
+
+
+def test_this_vllm_build_refuses_routing_replay_in_one_line(monkeypatch, tmp_path):
+    from pace.placement import Placement
+    from pace.rollout import engine as engine_lib
+    from pace.rollout import routes, server
+
+    with pytest.raises(ConfigError) as info:
+        routes.check_engine()
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("algo.routing_replay=true: the rollout engines cannot return routed experts")
+    assert "HAS_TRITON is False" in msg and "vllm/config/vllm.py:" in msg
+    import vllm.config.vllm as vllm_config
+
+    source = open(vllm_config.__file__, encoding="utf-8").read().splitlines()
+    for line in msg.split("vllm/config/vllm.py:")[1:]:  # the installed vLLM's own lines
+        assert "Model Runner V2" in source[int(line.split(")")[0]) - 1]
+    cfg = OmegaConf.structured(Config)
+    cfg.algo.routing_replay = True
+    with pytest.raises(ConfigError, match="HAS_TRITON"):  # refused before any engine is built
+        engine_lib.build_engines("no-such-model", cfg.rollout, "float32", 0, Placement("cpu", 1, "inproc", "shm", None),
+                                 routes=True)
+    with pytest.raises(ConfigError, match="HAS_TRITON"):  # before any server starts
+        server.launch_local("no-such-model", cfg, Placement("cpu", 1, "server", "shm", None), tmp_path)
+    assert not list(tmp_path.iterdir())
+    assert routes.SERVE_FLAG in server.serve_args("m", cfg.rollout, "float32", 0, 8100, routes=True)
+    assert routes.SERVE_FLAG not in server.serve_args("m", cfg.rollout, "float32", 0, 8100)
+    built = {}  # what an engine is built with (where vLLM can return routes)
+    monkeypatch.setattr("vllm.LLM", lambda **kwargs: built.update(kwargs))
+    engine_lib._new_llm("m", cfg.rollout, "float32", 0, None, routes=True)
+    assert built["enable_return_routed_experts"] is True and built["enable_prefix_caching"] is True
+    # vLLM's own decision, not a constant: with Triton it can; with Model Runner V2 turned off it cannot
+    monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", True)
+    assert routes.unsupported() is None
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert routes.unsupported().startswith("VLLM_USE_V2_MODEL_RUNNER=0 turns off Model Runner V2")
