@@ -91,6 +91,9 @@ def run(cfg: DictConfig) -> None:
     world = accelerator.num_processes
     placement = Placement.of(cfg.rollout, device, world)  # the engines' process, backend, GPUs: once
     check_processes(cfg, placement)  # every rank gets a share of every mini-batch; what needs the in-process engine
+    if cfg.algo.routing_replay and not cfg.rollout.servers:  # before the model loads: can this vLLM return routes?
+        from pace.rollout.routes import check_engine
+        check_engine()
     set_seed(cfg.seed)
     main_rank = accelerator.is_main_process
     if checkpoint is not None:

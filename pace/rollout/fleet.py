@@ -75,6 +75,10 @@ class Fleet(abc.ABC):
     def partial_versions(self, request_id: str, n: int):
         """The versions of the first ``n`` output tokens of an unfinished request, or None."""
 
+    def partial_routes(self, request_id: str):
+        """The routed experts an unfinished request's engine has returned so far (rows from the
+        position it asked for; MoE routing replay), or None when they cannot be read."""
+
     def reset_prefix_cache_if_idle(self) -> None:
         """Free the cached prefixes of idle engines: after an update, entries of earlier weights are
         unreachable (salted by version). By default nothing: the engine evicts them as needed."""
@@ -281,18 +285,32 @@ class EngineFleet(Fleet):
         request finishes); None if the engine holds no state for it or has labelled fewer tokens."""
         import numpy as np
 
-        i = self._owner.get(request_id)
-        if i is None:
-            return None
-        processor = self.engines[i].output_processor
-        internal = processor.external_req_ids.get(request_id) or [request_id]
-        state = processor.request_states.get(internal[0])
+        state = self._request_state(request_id)
         starts = getattr(state, "weight_version_starts", None)
         if not starts or state.detokenizer.num_output_tokens() != n:
             return None
         ends = [start for _, start in starts[1:]] + [n]
         return np.repeat(np.array([int(v) for v, _ in starts], dtype=np.int32),
                          np.array([e - s for (_, s), e in zip(starts, ends)], dtype=np.int64))
+
+    def partial_routes(self, request_id: str):
+        """The rows vLLM's output processor holds for an unfinished request (one chunk per step,
+        concatenated into `CompletionOutput.routed_experts` when it finishes: output_processor.py,
+        `routed_experts_chunks`); what an abort would lose, read just before one."""
+        import numpy as np
+
+        chunks = getattr(self._request_state(request_id), "routed_experts_chunks", None)
+        return np.concatenate(chunks) if chunks else None
+
+    def _request_state(self, request_id: str):
+        """vLLM's output-processor state of a request (in this process for in-process and child
+        engines alike), or None."""
+        i = self._owner.get(request_id)
+        if i is None:
+            return None
+        processor = self.engines[i].output_processor
+        internal = processor.external_req_ids.get(request_id) or [request_id]
+        return processor.request_states.get(internal[0])
 
     def reset_prefix_cache_if_idle(self) -> None:
         for e in self.engines:

@@ -156,9 +156,10 @@ class GenerationMixin:
     def _record_routes(self, pending: _Pending, traj: Trajectory, comp, out) -> None:
         """The finished request's routed experts, from the position it asked for: the positions the
         response had not recorded (those it recorded, from an earlier request, are kept). A request
-        aborted in process (a stop before a checkpoint; vLLM's `LLMEngine.abort_request` emits no
-        final output) and one lost with its engine (a failover; a server's stream closed) deliver
-        none: the rows of its positions are lost, and its continuation's request asks for them from
+        aborted at a stop delivers none (vLLM's `LLMEngine.abort_request` emits no final output):
+        the rows computed so far are read from the output processor before the abort (in process
+        and child engines: pace/rollout/resuming.py); a server's request closed at a stop and one
+        lost with its engine (a failover) keep none: the continuation's request asks for them from
         the first unknown position (computed again by the weights loaded then). Under
         rollout.kv_on_update=recompute an update re-prefills a running request without emitting its
         rows again: its one array keeps the rows computed first, as under keep."""

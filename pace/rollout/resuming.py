@@ -17,14 +17,18 @@ version), a response whose program was running has it run again, and a group who
 all done is graded. The kept tokens keep their versions and log-probs; the continuation's carry
 the resumed version, so a response spans the versions before and after and K_gen stays exact.
 With MoE routing replay a kept response keeps the routes of its finished requests (a turn ended at a
-tool call, an earlier continuation); its unfinished request's were not delivered (vLLM returns them
-on a finished output only, and the stop aborted it), so the continuation asks for the routes from
-the first unknown position on and computes them under the resumed weights (pace/rollout/routes.py).
+tool call, an earlier continuation) and, at a stop, those its unfinished request had computed: vLLM
+returns routes on a finished output only, so they are read from its output processor just before the
+stop's abort (`Fleet.partial_routes`; engines whose processor runs in this process — in process and
+child engines — not servers). The continuation asks for the routes from the first unknown position
+on (pace/rollout/routes.py). A periodic checkpoint, after which the requests run on, keeps only the
+finished requests' routes (the running one records its own when it finishes).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from pace.rollout import routes
 from pace.rollout.generation import VersionMismatch, _Pending
 
 
@@ -58,6 +62,11 @@ class ResumingMixin:
             for idx, traj in pending.responses.items():
                 if traj.completed_at >= 0 or idx in pending.tool_wait:
                     continue  # finished, or between turns: its versions are final already
+                if cut and self.cfg.algo.routing_replay:  # the abort would lose the routes computed so far
+                    rows = self.fleet.partial_routes(pending.request_id(idx))
+                    if rows is not None:
+                        traj.add_routes(rows, routes.prompt_start(traj, len(pending.group.prompt_ids)),
+                                        len(pending.group.prompt_ids))
                 start = pending.turn_start.get(idx, 0)
                 versions = self.fleet.partial_versions(pending.request_id(idx), len(traj) - start)
                 if versions is None:  # (in process the stamps are exact: nothing to do)

@@ -28,12 +28,14 @@ class RoutingEngine:
     """An in-process `LLMEngine` stand-in that returns routed experts as vLLM 0.32 does: one token
     per request and step (under the version set last), and on the finished output the rows of
     positions ``routed_experts_prompt_start`` … len(prompt) + generated − 2, each row naming its
-    position (layer 0) and the request that computed it (layer 1). A tool turn stops at `</code>`
-    after ``turn`` tokens; an abort emits nothing (as `LLMEngine.abort_request`)."""
+    position (layer 0) and the request that computed it (layer 1). Until then its output processor
+    holds them a step at a time (`routed_experts_chunks`: the prompt's rows with the first token, one
+    row per token after). A tool turn stops at `</code>` after ``turn`` tokens; an abort emits
+    nothing (as `LLMEngine.abort_request`)."""
 
     def __init__(self, first_serial: int = 1, turn: int = 3):
         self.vllm_config = SimpleNamespace(device_config=SimpleNamespace(device_type="cpu"))
-        self.output_processor = SimpleNamespace(external_req_ids={}, request_states={})  # no partial versions
+        self.output_processor = SimpleNamespace(external_req_ids={}, request_states={})  # routes; no partial versions
         self.requests: dict[str, dict] = {}
         self.asked: list[tuple[str, int]] = []  # (request id, routed_experts_prompt_start) of every request
         self.serial, self.turn, self.version = first_serial - 1, turn, "0"
@@ -45,6 +47,7 @@ class RoutingEngine:
         self.asked.append((rid, start))
         self.requests[rid] = dict(prompt=list(prompt["prompt_token_ids"]), params=params, versions=[],
                                   serial=self.serial)
+        self.output_processor.request_states[rid] = SimpleNamespace(routed_experts_chunks=[])
 
     def has_unfinished_requests(self):
         return bool(self.requests)
@@ -55,6 +58,7 @@ class RoutingEngine:
     def abort_request(self, ids):
         for rid in ids:
             self.requests.pop(rid, None)
+            self.output_processor.request_states.pop(rid, None)
 
     def reset_prefix_cache(self, *args):
         return True
@@ -68,6 +72,11 @@ class RoutingEngine:
             tok = 40 + r["serial"]
             r["versions"].append(self.version)
             n, params = len(r["versions"]), r["params"]
+            first = params.routed_experts_prompt_start if n == 1 else len(r["prompt"]) + n - 2
+            positions = np.arange(first, len(r["prompt"]) + n - 1)  # computed in this step
+            chunks = self.output_processor.request_states[rid].routed_experts_chunks
+            chunks.append(np.stack([np.repeat(positions[:, None], 2, 1), np.full((len(positions), 2), r["serial"])],
+                                   axis=1).astype(np.uint8))  # [positions, layers 2, top-k 2]
             reason = stop = None
             if params.stop and n == self.turn:
                 reason, stop = "stop", CODE_STOP
@@ -76,9 +85,7 @@ class RoutingEngine:
             routes = spans = None
             if reason is not None:
                 del self.requests[rid]
-                positions = np.arange(params.routed_experts_prompt_start, len(r["prompt"]) + n - 1)
-                routes = np.stack([np.repeat(positions[:, None], 2, 1), np.full((len(positions), 2), r["serial"])],
-                                  axis=1).astype(np.uint8)  # [positions, layers 2, top-k 2]
+                routes = np.concatenate(self.output_processor.request_states.pop(rid).routed_experts_chunks)
                 spans = [WeightVersionSpan(v, i, i + 1) for i, v in enumerate(r["versions"])]
             comp = CompletionOutput(0, "", [tok], None, [{tok: Logprob(-0.5)}], routed_experts=routes,
                                     finish_reason=reason, stop_reason=stop, weight_versions=spans)
@@ -192,8 +199,9 @@ def test_a_tool_turn_asks_for_the_unknown_positions_and_keeps_the_first_turns_ro
 
 def test_a_response_stopped_and_resumed_keeps_the_first_segments_rows():
     """Turn 1 (finished: its rows recorded), then turn 2 stopped after 2 tokens (an in-process abort
-    delivers no rows), the checkpoint, `resume=`: the continuation asks from the first unknown
-    position and its rows fill the rest; the first segment's rows stay."""
+    delivers no rows: they are read from the output processor before it), the checkpoint, `resume=`:
+    the continuation asks from the first unknown position and its rows fill the rest; each earlier
+    segment's rows stay."""
     engine = RoutingEngine()
     w = _worker(engine, max_tokens=10, tools=True)
     w._admit()
@@ -206,7 +214,7 @@ def test_a_response_stopped_and_resumed_keeps_the_first_segments_rows():
     assert not engine.requests
     kept = pickle.loads(pickle.dumps(w.state_dict()["inflight"]))  # as a checkpoint keeps them
     t = kept[0].responses[0]
-    assert len(t) == 7 and len(t.routes) == 2  # turn 1's two rows; request 2's were lost with its abort
+    assert len(t) == 7 and t.routes[:, 1, 0].tolist() == [1, 1, 2, 2, 2, 2]  # turn 1's rows, request 2's so far
 
     again = RoutingEngine(first_serial=10)
     w2 = _worker(again, max_tokens=10, tools=True)
@@ -214,14 +222,30 @@ def test_a_response_stopped_and_resumed_keeps_the_first_segments_rows():
     w2.load_inflight(kept, 1)
     assert w2._continue_resumed()
     rid, start = again.asked[-1]
-    assert start == P + 2  # the first unknown position: the last token of turn 1
+    assert start == P + 6  # the first unknown position: the last token read before the stop
     for _ in range(3):
         w2._consume(w2.fleet.step())
     t = _graded(w2)
     assert t.versions.tolist() == [0] * 7 + [1] * 3
     assert t.prompt_routes[:, 1, 0].tolist() == [1] * P  # the first segment's rows: request 1's
     assert t.routes[:, 0, 0].tolist() == list(range(P, P + 9))
-    assert t.routes[:, 1, 0].tolist() == [1, 1] + [10] * 7
+    assert t.routes[:, 1, 0].tolist() == [1, 1, 2, 2, 2, 2, 10, 10, 10]
+
+
+def test_a_snapshot_while_requests_run_on_leaves_their_routes_to_their_finish():
+    """A periodic checkpoint (the thread paused, requests running on) keeps the finished requests'
+    routes only; the running request records its own, from the position it asked for, when it ends."""
+    engine = RoutingEngine()
+    w = _worker(engine)
+    w._admit()
+    for _ in range(3):
+        w._consume(w.fleet.step())
+    w._settle_versions(cut=False)  # what `inflight_state` does for a snapshot
+    assert w._pending[next(iter(w._pending))].responses[0].routes is None
+    for _ in range(3):
+        w._consume(w.fleet.step())
+    t = _graded(w)
+    assert t.routes[:, 0, 0].tolist() == list(range(P, P + 5)) and t.prompt_routes[:, 0, 0].tolist() == list(range(P))
 
 
 def test_a_finished_output_without_routes_is_refused_in_one_line():
