@@ -22,7 +22,12 @@ over a gloo group of one (Accelerate picks FSDP only on accelerators), as tests/
   `mixed_precision` prevents on GPUs): the update rounds away on nearly every weight.
 - ``moe``: the 30B-A3B-shaped model with +exp=pace_qwen3_30b_a3b's settings: one step, and its
   experts as the engine receives them (transformers 5's fused [E, 2I, H] / [E, H, I], which vLLM's
-  FusedMoE loads) equal to the checkpoint's per-expert tensors.
+  FusedMoE loads) equal to the checkpoint's per-expert tensors. The step replays routes
+  (`algo.routing_replay`, on in the preset; pace/algo/routing_replay.py): the engine's stood in for by
+  a no-grad forward whose routers take the top-k of noise-perturbed logits (smoke_case.record_routes),
+  so that a share of the tokens is routed otherwise than the trainer's router would; the step's
+  `moe/route_diff_share` must find that share, and its on-policy |ℓ − ℓ^μ| against that forward stay
+  below 1e-3 a token (0 on the tiny CPU model; 3e-3 there with the replay switched off by hand).
 
 Each case's peak memory is predicted for its shapes by pace/algo/memory_budget.py (`predicted_peak`:
 41.9 / 26.5 / 36.9 GiB for fsdp / pure / moe with the default `--layers 4`; tests/unit/
@@ -126,6 +131,14 @@ def checks(results: list[dict]) -> list[tuple[str, bool, str]]:
         lambda r: f"{100 * r['changed_layers']:.2f}% of layer weights moved (bf16 weights and AdamW)")
     row("MoE step", "moe", "step", lambda r: r["finite"] and r["changed_layers"] > 0.5,
         lambda r: f"{r['tokens']:,} tokens: loss {r['loss']:.4f}, {100 * r['changed_layers']:.2f}% moved, peak {r.get('peak_gib', float('nan')):.1f} GiB, {r['seconds']:.1f} s")
+    nan = float("nan")
+    row("MoE step with replayed routes", "moe", "step",
+        lambda r: 0 < r.get("route_diff_share", 0) and abs(r["route_diff_share"] - r["planted_share"]) < 0.02
+        and r["replayed_share"] > 0.99 and r["abs_logp_diff"] < 1e-3,
+        lambda r: f"{100 * r.get('route_diff_share', nan):.1f}% of the loss tokens' routes (mean over layers) replayed otherwise "
+                  f"than the trainer's router would route them ({100 * r.get('planted_share', nan):.1f}% planted); "
+                  f"{100 * r.get('replayed_share', nan):.2f}% of the positions replayed; |ℓ − ℓ^μ| "
+                  f"{r.get('abs_logp_diff', nan):.1e} a token")
     for case in ("fsdp", "pure", "moe"):
         row(f"{case}: peak memory ≤ {PEAK_LIMIT_GIB:.0f} GiB", case, "memory",
             lambda r: r["predicted"]["peak"] <= r["limit_gib"] and (r["measured_gib"] is None or r["measured_gib"] <= r["limit_gib"]),

@@ -89,6 +89,59 @@ def moved(before: dict, model) -> tuple[float, float]:
     return tuple(c / max(t, 1) for c, t in counts.values())
 
 
+def record_routes(trainer, batch, noise: float = 0.2, seed: int = 3) -> dict:
+    """The engine's side of routing replay, stood in for: a no-grad forward of each sequence whose
+    routers route to the top-k of their logits perturbed by Gaussian noise (``noise`` × the logits'
+    std), with the gate weights of those experts from the unperturbed logits (as the replay
+    computes them), so that a share of the tokens is routed otherwise than the trainer's own router
+    would route it. Its routes are stored on the trajectories as vLLM returns them (every position
+    but the last: `Trajectory.add_routes`) and its log-probs become ℓ^μ. Returns the share of
+    (position scoring a response token, layer) pairs it routed otherwise ("planted_share")."""
+    import numpy as np
+    import torch
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    gen = torch.Generator().manual_seed(seed)
+    routes, differ = {}, {}
+
+    def perturbed(layer):
+        def hook(module, args, output):
+            logits, _, live = output
+            noisy = logits.float() + noise * logits.float().std() * torch.randn(logits.shape, generator=gen).to(logits.device)
+            idx = noisy.topk(module.top_k, dim=-1).indices
+            weights = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+            if module.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            routes[layer] = idx.cpu()
+            differ[layer] = (idx.sort(-1).values != live.sort(-1).values).any(-1).cpu()
+            return logits, weights.to(logits.dtype), idx
+
+        return hook
+
+    unwrapped = trainer.acc.unwrap_model(trainer.model)
+    handles = [m.register_forward_hook(perturbed(int(name.split("layers.")[1].split(".")[0])))
+               for name, m in unwrapped.named_modules() if isinstance(m, Qwen3MoeTopKRouter)]
+    n_layers = unwrapped.config.num_hidden_layers
+    planted = []
+    trainer.model.eval()
+    try:
+        for group in batch.groups:
+            for traj in group.trajectories:
+                b = trainer._collate([(group.prompt_ids, traj)])  # one sequence: rows = its positions
+                with torch.no_grad():
+                    logp, _ = trainer._logprobs(b)  # outside the trainer's replay: the hooks above route
+                n_p, n = len(group.prompt_ids), len(group.prompt_ids) + len(traj)
+                rows = torch.stack([routes[i] for i in range(n_layers)], 1).numpy().astype(np.uint8)
+                traj.add_routes(rows[: n - 1], 0, n_p)
+                traj.logprobs[:] = logp.float().cpu().numpy()
+                planted.append(torch.stack([differ[i][n_p - 1 : n - 1] for i in range(n_layers)]))  # [layers, tokens]
+    finally:
+        trainer.model.train()
+        for handle in handles:
+            handle.remove()
+    return {"planted_share": float(torch.cat(planted, 1).float().mean(1).mean())}  # per layer, then their mean
+
+
 PEAKS: list[float] = []  # this case's measured peaks (GiB): every step's, the agreement check's
 
 
@@ -107,6 +160,9 @@ def timed_step(trainer, batch, cuda: bool) -> dict:
     out = {"loss": stats["train/loss"], "grad_norm": stats["train/grad_norm"], "seconds": time.perf_counter() - t0,
            "finite": math.isfinite(stats["train/loss"]) and math.isfinite(stats["train/grad_norm"])
            and stats["train/nonfinite_skipped"] == 0}
+    for key in ("moe/route_diff_share", "moe/replayed_share", "mismatch/abs_logp_diff"):  # routing replay (the moe case)
+        if key in stats:
+            out[key.split("/")[1]] = stats[key]
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if "m2po/m2" in stats:
@@ -192,6 +248,9 @@ def run_case(args) -> None:
         emit(case, "source", **engine_view(trainer, args.model, cuda))
     batch = batch_of(trainer, prompt, response, vocab)  # its no-grad forward runs q_proj once
     hook.remove()
+    replay = {}
+    if trainer.replay is not None:  # the moe case (+exp=pace_qwen3_30b_a3b: algo.routing_replay)
+        replay = record_routes(trainer, batch)
     emit(case, "setup", distributed_type=str(acc.distributed_type), fsdp2=acc.is_fsdp2, mixed=acc.mixed_precision,
          units=units, shards=shards, sharded=sharded, compute=seen.get("compute"),
          params_b=sum(p.numel() for p in model.parameters()) / 1e9)
@@ -201,7 +260,7 @@ def run_case(args) -> None:
         step["above_states_gib"] = step["peak_gib"] - states / 2**30
     changed_layers, changed_all = moved(before, model)
     emit(case, "step", tokens=prompt + response, shards=shards, changed_layers=changed_layers, changed_all=changed_all,
-         **step)
+         **step, **replay)
     del before
     if tracker is not None:  # what a delta sync of this step would send, and what planning it costs
         if cuda:

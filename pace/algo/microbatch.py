@@ -102,7 +102,8 @@ def plan(lengths: list[int], n_ranks: int, *, max_seqs: int, max_tokens: int | N
     return equalize(per_rank)
 
 
-def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = False) -> dict[str, torch.Tensor]:
+def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = False,
+            route_shape: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """Model inputs for one micro-batch, and flat per-response-token tensors [T] (T = Σ responses).
 
     Right-padded rows (``input_ids``, ``attention_mask`` [R, L]), or with ``packed`` one row of the
@@ -114,6 +115,12 @@ def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = Fa
     ``versions`` (v_t), ``engines`` (the engine that served each token's response, −1: several or
     unknown) and ``seq_ids`` (the sequence of each token, 0..``n_seqs``−1) are aligned
     with ``index``; ``pad_tokens``/``slots`` count the padding.
+
+    With ``route_shape`` (layers, top-k: MoE routing replay, pace/algo/routing_replay.py) also the
+    recorded routes in the flattened [R·L] order: ``routes`` [R·L, layers, k] (int64), ``route_mask``
+    [R·L] (the position has a recorded route: the prompt's from ``Trajectory.prompt_routes``, response
+    token t's as an input from ``Trajectory.routes[t]``; False for padding and unrecorded positions)
+    and ``route_measure`` (recorded positions whose hidden state scores a loss token: the metrics').
     """
     seqs = [np.concatenate([np.asarray(p, dtype=np.int64), t.response_ids.astype(np.int64)]) for p, t in zip(prompts, trajs)]
     lengths = np.array([len(s) for s in seqs])
@@ -134,7 +141,9 @@ def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = Fa
         model_inputs = {"attention_mask": torch.from_numpy(attention)}
     index = np.concatenate([start + n_p - 1 + np.arange(n_r) for start, n_p, n_r in zip(starts, n_prompt, n_resp)])
     mask = np.concatenate([np.ones(len(t), dtype=bool) if t.action_mask is None else t.action_mask for t in trajs])
+    routed = {} if route_shape is None else _routes(trajs, starts, n_prompt, input_ids.size, route_shape, index[mask])
     return {
+        **routed,
         "input_ids": torch.from_numpy(input_ids),
         **model_inputs,
         "index": torch.from_numpy(index),
@@ -153,3 +162,26 @@ def collate(trajs: list[Trajectory], prompts: list[list[int]], packed: bool = Fa
         "pad_tokens": torch.tensor(float(input_ids.size - lengths.sum())),
         "slots": torch.tensor(float(input_ids.size)),
     }
+
+
+def _routes(trajs: list[Trajectory], starts: np.ndarray, n_prompt: np.ndarray, slots: int,
+            shape: tuple[int, int], scoring: np.ndarray) -> dict[str, torch.Tensor]:
+    """`collate`'s route tensors: each sequence's recorded rows copied to its positions of the
+    flattened layout (``starts``: where each sequence begins in it; ``scoring``: the flat
+    positions whose hidden state scores a loss token)."""
+    routes = np.zeros((slots, *shape), dtype=np.int64)
+    mask = np.zeros(slots, dtype=bool)
+    for t, start, n_p in zip(trajs, starts, n_prompt):
+        for rows, at, room in ((t.prompt_routes, start, n_p), (t.routes, start + n_p, len(t))):
+            if rows is None:
+                continue
+            if rows.shape[1:] != shape:
+                raise ValueError(f"algo.routing_replay: a trajectory's routes have [layers, top-k] {list(rows.shape[1:])}, "
+                                 f"the model {list(shape)}")
+            rows = rows[:room]
+            routes[at : at + len(rows)] = rows
+            mask[at : at + len(rows)] = True
+    measure = np.zeros(slots, dtype=bool)
+    measure[scoring] = True
+    return {"routes": torch.from_numpy(routes), "route_mask": torch.from_numpy(mask),
+            "route_measure": torch.from_numpy(measure & mask)}

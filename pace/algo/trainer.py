@@ -15,6 +15,10 @@ reduced after every micro-batch under FSDP (reduce-scatter into sharded gradient
 
 An update whose gradient norm or loss is not finite is skipped (no optimizer or LR-schedule step)
 and counted (`train/nonfinite_skipped`); the version still advances, with unchanged weights.
+
+With `algo.routing_replay` (MoE) every forward, and each update's backward, routes tokens to the
+experts the engine recorded (pace/algo/routing_replay.py); the step logs `moe/route_diff_share`
+(what would differ without replay) and `moe/replayed_share`.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from pace.algo import correction, m2po, microbatch
 from pace.algo.logprobs import response_logprobs
 from pace.algo.loss import build_loss
 from pace.algo.microbatch import collate
+from pace.algo.routing_replay import RoutingReplay
 from pace.records import Batch, Trajectory
 
 Pair = tuple[list[int], Trajectory]  # (prompt ids, response)
@@ -78,6 +83,9 @@ class DAPOTrainer:
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         unwrapped = accelerator.unwrap_model(self.model)
         self._decoder, self._head = unwrapped.get_decoder(), unwrapped.get_output_embeddings()
+        # MoE routing replay: hooks on every router, routing as the engine did inside `_routes` (refused
+        # for a model without a supported MoE router)
+        self.replay = RoutingReplay(unwrapped, model_path) if cfg.algo.routing_replay else None
         self.loss_fn = build_loss(cfg.algo)  # chosen once, from config
         self.proximal = cfg.algo.ratio_ref == "proximal"
         # `trainer.grad_sync` resolved. FSDP: reduce-scatter after every micro-batch (sharded gradients;
@@ -144,6 +152,8 @@ class DAPOTrainer:
                 if binding:  # the mean over the mini-batches it bound in
                     out["m2po/eps_high"] = sum(s["eps_high"] for s in binding) / len(binding)
             out["m2po/trust_region_frac"] = sum(s["trust_region"] for s in m2po_stats) / tokens
+        if self.replay is not None:
+            out |= self.replay.metrics(totals)
         return out
 
     def _scatter(self, batch: Batch | None) -> tuple[list[list[list[Pair]]], int]:
@@ -177,8 +187,16 @@ class DAPOTrainer:
                                  decoder=self._decoder, head=self._head)
 
     def _collate(self, pairs: list[Pair]) -> dict[str, torch.Tensor]:
-        b = collate([t for _, t in pairs], [p for p, _ in pairs], packed=self.cfg.trainer.packing)
+        b = collate([t for _, t in pairs], [p for p, _ in pairs], packed=self.cfg.trainer.packing,
+                    route_shape=None if self.replay is None else self.replay.shape)
         return {k: v.to(self.acc.device) for k, v in b.items()}
+
+    def _routes(self, b: dict[str, torch.Tensor]):
+        """Around a micro-batch's forward and backward: route as the engine did (routing replay);
+        yields the replay whose sums `RoutingReplay.stats` reads, or None without replay."""
+        if self.replay is None:
+            return contextlib.nullcontext()
+        return self.replay.replay(b["routes"], b["route_mask"], b["route_measure"])
 
     def _proximal_logprobs(self, plans: list[list[list[Pair]]]) -> dict[int, torch.Tensor]:
         """log π_prox of every response token: the policy at the start of this step (decoupled PPO).
@@ -199,7 +217,7 @@ class DAPOTrainer:
             for mb in micro_batches:
                 pairs = mb or [self._stand_in(micro_batches)]
                 b = self._collate(pairs)
-                with torch.no_grad():
+                with torch.no_grad(), self._routes(b):
                     logp, _ = self._logprobs(b)
                 yield pairs, b, logp
         finally:
@@ -224,6 +242,7 @@ class DAPOTrainer:
         # the same keys on every rank (they are summed as one vector): each engine's, even where
         # this rank's share has none of its responses
         keys += tuple(f"mm_{k}/engine{i}" for i in range(n_engines) for k in ("tokens", "abs_logp_diff"))
+        keys += () if self.replay is None else self.replay.stat_keys()
         stats = dict.fromkeys(keys, 0.0)
         for i, mb in enumerate(micro_batches):
             # Every rank runs as many micro-batches (microbatch.equalize); an empty one is a pass at
@@ -235,7 +254,8 @@ class DAPOTrainer:
             if decision is not None:
                 b["m2po_keep" if self.cfg.algo.m2po_variant == "paper" else "m2po_eps"] = decision[i]
             grad_sync = self.grad_sync_every or i == len(micro_batches) - 1
-            with contextlib.nullcontext() if grad_sync else self.acc.no_sync(self.model):
+            # the replay stays set over the backward: gradient checkpointing runs the routers again there
+            with contextlib.nullcontext() if grad_sync else self.acc.no_sync(self.model), self._routes(b) as routed:
                 logp, entropy = self._logprobs(b)
                 out = self.loss_fn(logp, b, norm)
                 self.acc.backward(out.loss if mb else out.loss * 0.0)
@@ -257,6 +277,9 @@ class DAPOTrainer:
                                          b["engines"], n_engines)
                 for k, v in mm.items():
                     stats[f"mm_{k}"] += v
+            if routed is not None:
+                for k, v in self.replay.stats(routed, b["slots"].item() - b["pad_tokens"].item()).items():
+                    stats[k] += v
         grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip))
         bad = torch.tensor(float(not (math.isfinite(grad_norm) and math.isfinite(stats["loss"]))), device=self.acc.device)
         if self.acc.num_processes > 1:  # every rank must take the same decision

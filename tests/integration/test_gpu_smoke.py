@@ -21,7 +21,7 @@ def test_gpu_smoke_tiny_passes_every_check():
     got = {(r["case"], r["what"]): r for r in (json.loads(line[6:]) for line in proc.stdout.splitlines()
                                                if line.startswith("SMOKE "))}
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| check |" not in line]
-    assert len(table) == 16 and all(" | yes | " in line for line in table), "\n".join(table)
+    assert len(table) == 17 and all(" | yes | " in line for line in table), "\n".join(table)
     # what the checks rest on, read here too: the cases ran as the trainer runs on GPUs
     setup = got[("fsdp", "setup")]
     assert setup["fsdp2"] and setup["shards"] == ["torch.float32"] and setup["compute"] == "torch.bfloat16"
