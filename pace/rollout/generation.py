@@ -42,6 +42,12 @@ class _Pending:
     # response → index of the first token the model wrote after its last tool output (where the
     # program it is writing starts); a continuation after a restart leaves it, a tool turn moves it
     code_from: dict[int, int] = field(default_factory=dict)
+    # MoE routing replay: response → the first sequence position its current request returns routes
+    # for (its `routed_experts_prompt_start`; absent: 0, a first request)
+    route_start: dict[int, int] = field(default_factory=dict)
+
+    def __setstate__(self, state) -> None:  # (route_start: absent from checkpoints before routing replay)
+        self.__dict__.update({"route_start": {}} | state)
 
     def request_id(self, i: int) -> str:
         return request_ids.response(self.group.id, i, self.turns.get(i, 0))
@@ -128,7 +134,7 @@ class GenerationMixin:
                 if out.finished:
                     self._record_spans(traj, pending.turn_start.get(idx, 0), comp.weight_versions)
                     if self.cfg.algo.routing_replay:
-                        self._record_routes(pending, traj, comp, out)
+                        self._record_routes(pending, idx, traj, comp, out)
                     traj.finish_reason = comp.finish_reason or "stop"
                     tool_call = self.tools is not None and is_tool_stop(comp)
             left = self.cfg.rollout.max_tokens - len(traj) if tool_call else 0
@@ -153,7 +159,7 @@ class GenerationMixin:
             self.stats["versions_checked"] += len(versions)  # tokens whose spans equalled the stamps
         traj.versions[start:] = versions
 
-    def _record_routes(self, pending: _Pending, traj: Trajectory, comp, out) -> None:
+    def _record_routes(self, pending: _Pending, idx: int, traj: Trajectory, comp, out) -> None:
         """The finished request's routed experts, from the position it asked for: the positions the
         response had not recorded (those it recorded, from an earlier request, are kept). A request
         aborted at a stop delivers none (vLLM's `LLMEngine.abort_request` emits no final output):
@@ -163,8 +169,8 @@ class GenerationMixin:
         the first unknown position (computed again by the weights loaded then). Under
         rollout.kv_on_update=recompute an update re-prefills a running request without emitting its
         rows again: its one array keeps the rows computed first, as under keep."""
-        routes_lib.record(traj, getattr(comp, "routed_experts", None), len(pending.group.prompt_ids),
-                          out.request_id, getattr(out, "engine", None))
+        routes_lib.record(traj, getattr(comp, "routed_experts", None), pending.route_start.get(idx, 0),
+                          len(pending.group.prompt_ids), out.request_id, getattr(out, "engine", None))
 
     def _finish_response(self, pending: _Pending, traj: Trajectory) -> None:
         traj.completed_at = self.trainer_version

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from pace.rollout import routes
 from pace.rollout.generation import VersionMismatch, _Pending
 
 
@@ -65,8 +64,7 @@ class ResumingMixin:
                 if cut and self.cfg.algo.routing_replay:  # the abort would lose the routes computed so far
                     rows = self.fleet.partial_routes(pending.request_id(idx))
                     if rows is not None:
-                        traj.add_routes(rows, routes.prompt_start(traj, len(pending.group.prompt_ids)),
-                                        len(pending.group.prompt_ids))
+                        traj.add_routes(rows, pending.route_start.get(idx, 0), len(pending.group.prompt_ids))
                 start = pending.turn_start.get(idx, 0)
                 versions = self.fleet.partial_versions(pending.request_id(idx), len(traj) - start)
                 if versions is None:  # (in process the stamps are exact: nothing to do)
@@ -130,7 +128,7 @@ class ResumingMixin:
 
     def _restart(self, pending, idx: int) -> None:
         """Response ``idx`` from its prompt, as if it had not started."""
-        for state in (pending.responses, pending.turns, pending.turn_start, pending.code_from):
+        for state in (pending.responses, pending.turns, pending.turn_start, pending.code_from, pending.route_start):
             state.pop(idx, None)
         self._start_response(pending, idx)
 

@@ -8,9 +8,8 @@ to 256 experts) on a request's finished output only, with `enable_return_routed_
 cover sequence positions ``routed_experts_prompt_start`` … ``len(prompt) + generated − 2`` (the
 last sampled token is never an input). A request asks only for the positions its response has not
 recorded yet (`prompt_start`): 0 for a first request, P + len(routes) for a continuation (a tool
-turn, a restart continuation, a failover continuation: pace/rollout/tool_turns.py `_continue`). A
-response's routes change only when one of its requests finishes and it has one request at a time,
-so the start asked when the request was sent is `prompt_start` again when its output arrives.
+turn, a restart continuation, a failover continuation: pace/rollout/tool_turns.py `_continue`),
+kept per request (`_Pending.route_start`) for the rows it returns.
 
 Only Model Runner V2 returns routes, and it needs Triton: `unsupported` says why an installed vLLM
 cannot (the CPU build has no Triton CPU backend), and `check_engine` refuses the run in one line.
@@ -81,14 +80,16 @@ def prompt_start(traj, prompt_len: int) -> int:
     return prompt_len + (0 if traj.routes is None else len(traj.routes))
 
 
-def record(traj, rows, prompt_len: int, request: str, engine) -> None:
+def record(traj, rows, start: int, prompt_len: int, request: str, engine) -> None:
     """The rows of a finished request (``rows``: its `routed_experts`) into the response's record,
-    from the position the request asked for. A finished output without them means an engine that
-    does not return routes (a server started without `--enable-return-routed-experts`)."""
+    from ``start``, the position the request asked for when it was sent (kept per request, not
+    recomputed here: the rows stay where they belong should the record change while it runs). A
+    finished output without them means an engine that does not return routes (a server started
+    without `--enable-return-routed-experts`)."""
     if rows is None:
         raise ConfigError(f"{KEY}=true: rollout engine {engine} returned no routed experts for request {request} "
                           f"(a server started without {SERVE_FLAG}? pace.rollout.server adds it)")
-    traj.add_routes(rows, prompt_start(traj, prompt_len), prompt_len)
+    traj.add_routes(rows, start, prompt_len)
 
 
 def route_metrics(trajs) -> dict:

@@ -51,6 +51,7 @@ class ToolTurnsMixin:
         traj.begin_request()  # prefilled anew: its tokens' context is this request's (KV staleness)
         prompt = {"prompt_token_ids": pending.group.prompt_ids + traj.response_ids.tolist(),
                   "cache_salt": engine_lib.cache_salt(self.engine_version)}
+        pending.route_start[idx] = routes_lib.prompt_start(traj, len(pending.group.prompt_ids))
         params = self._turn_params(self.cfg.rollout.max_tokens - len(traj), calls=traj.tool_calls,
-                                   routes_from=routes_lib.prompt_start(traj, len(pending.group.prompt_ids)))
+                                   routes_from=pending.route_start[idx])
         self.fleet.add_request(pending.request_id(idx), prompt, params, group=pending.key)

@@ -310,3 +310,29 @@ def test_this_vllm_build_refuses_routing_replay_in_one_line(monkeypatch, tmp_pat
     assert routes.unsupported() is None
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert routes.unsupported().startswith("VLLM_USE_V2_MODEL_RUNNER=0 turns off Model Runner V2")
+
+
+def test_a_request_whose_record_grew_while_it_ran_puts_its_rows_where_it_asked():
+    """Rows read from the output processor before an abort that then did not happen (a best-effort
+    abort at shutdown can fail): the request finishes and returns its rows from the start it asked
+    for; they land at their positions (the record's length then is not where they start)."""
+    engine = RoutingEngine()
+    w = _worker(engine)
+    w._admit()
+    for _ in range(3):
+        w._consume(w.fleet.step())
+    w._settle_versions(cut=True)  # the stop's read, without the abort
+    assert len(w._pending[next(iter(w._pending))].responses[0].routes) == 2
+    for _ in range(3):
+        w._consume(w.fleet.step())
+    t = _graded(w)
+    assert t.prompt_routes[:, 0, 0].tolist() == list(range(P)) and t.routes[:, 0, 0].tolist() == list(range(P, P + 5))
+
+
+def test_a_group_in_flight_from_a_checkpoint_before_routing_replay_loads():
+    from pace.records import Group
+    from pace.rollout.generation import _Pending
+
+    old = _Pending(Group(0, "p0", [1, 2], "2", 0), 1)
+    del old.__dict__["route_start"]  # as pickled before the field existed
+    assert pickle.loads(pickle.dumps(old)).route_start == {}
