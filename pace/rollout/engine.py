@@ -289,11 +289,13 @@ def shutdown(llm, timeout: float | None = None) -> None:
     llm.llm_engine.engine_core.shutdown(timeout=timeout)
 
 
-def scoring_params():
-    """Rescoring a token sequence: one prefill with the log-prob of every prompt token."""
+def scoring_params(length: int = 0):
+    """Rescoring a token sequence: one prefill with the log-prob of every prompt token. ``length``:
+    the sequence's, whose routed experts (MoE routing replay: an engine that returns them) are then
+    not asked for — a scoring request's routes are not recorded."""
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    return SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, routed_experts_prompt_start=length)
 
 
 def prompt_token_logprobs(output, token_ids: list[int], start: int) -> list[float]:

@@ -112,7 +112,7 @@ class KvProbeMixin:
         self._kv_probes[rid] = _Probe(v, len(group.prompt_ids), ids, traj.versions.copy(), start, mask,
                                       traj.logprobs.copy())
         self.fleet.add_request(rid, {"prompt_token_ids": ids, "cache_salt": engine_lib.cache_salt(v)},
-                               engine_lib.scoring_params(), priority=engine_lib.SCORING_PRIORITY)
+                               engine_lib.scoring_params(len(ids)), priority=engine_lib.SCORING_PRIORITY)
         self.stats["kv_probes"] += 1
 
     def _consume_kv_probe(self, out) -> None:

@@ -53,7 +53,6 @@ class RescoringMixin:
 
     def _rescore(self, groups: list[Group]) -> None:
         """Submit prompt + first m response tokens of each group under the engine's weights."""
-        params = engine_lib.scoring_params()
         salt = engine_lib.cache_salt(self.engine_version)
         v, m = self.engine_version, self.prefix_tokens
         for group in groups:
@@ -70,7 +69,7 @@ class RescoringMixin:
             for i in todo:
                 ids = group.prompt_ids + group.trajectories[i].response_ids[:m].tolist()
                 self.fleet.add_request(request_ids.scoring(group.id, i), {"prompt_token_ids": ids, "cache_salt": salt},
-                                       params, priority=engine_lib.SCORING_PRIORITY,
+                                       engine_lib.scoring_params(len(ids)), priority=engine_lib.SCORING_PRIORITY,
                                        group=request_ids.group_key(request_ids.SCORING, group.id))
         if self._rescoring and self._rescore_started is None:
             self._rescore_started = time.perf_counter()

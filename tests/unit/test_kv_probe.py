@@ -147,6 +147,7 @@ def test_a_spanning_response_is_probed_under_its_last_tokens_weights_and_its_gap
     rid, prompt, params, priority, _ = w.fleet.added[0]
     assert prompt == {"prompt_token_ids": [5, 6, 10, 11, 12, 13], "cache_salt": engine_lib.cache_salt(2)}
     assert params.prompt_logprobs == 0 and priority == engine_lib.SCORING_PRIORITY and w.stats["kv_probes"] == 2
+    assert params.routed_experts_prompt_start == 6  # MoE routing replay: a probe's routes are not asked for
     # the engine's fresh log-probs: tokens 2-3 of response 0 differ by 0.25 and 0.5; 0-1 (v1) are not counted
     w._consume_kv_probe(_answer(rid, prompt["prompt_token_ids"], 2, [-9.0, -9.0, -0.75, -1.0]))
     assert (w.stats["kv_probe_abs_sum"], w.stats["kv_probe_tokens"]) == (0.75, 2) and len(w._kv_probes) == 1
