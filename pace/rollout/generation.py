@@ -13,9 +13,9 @@ it (`Trajectory.engine`, from the fleet's `engine` on each output; −1 once a s
 
 MoE routing replay (`algo.routing_replay`): each generation request asks for the routed experts of
 the positions its response has not recorded yet, and its finished output's rows are recorded
-(pace/rollout/routes.py). Scoring, stale-KV probe and validation requests are not recorded: vLLM
-computes and returns their routes too (on their finished output; a server's whole response), and
-they are dropped with the rest of those outputs.
+(pace/rollout/routes.py). Scoring, stale-KV probe and validation requests are not recorded: the
+first two ask for no routes (`engine.scoring_params`), validation's are returned and dropped with
+the rest of its outputs.
 """
 from __future__ import annotations
 
