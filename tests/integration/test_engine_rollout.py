@@ -178,7 +178,9 @@ def test_tokens_after_an_update_come_from_the_new_weights_and_new_requests_reuse
         after = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(y[m:]).unsqueeze(-1)).squeeze(-1).tolist()
         assert max(abs(a - b) for a, b in zip(traj.logprobs, before + after)) < 1e-4
         stale = _hf_logprobs(old, prompt + y, len(prompt))[m:]  # what a missed update would have produced
-        assert max(abs(a - b) for a, b in zip(traj.logprobs[m:], stale)) > 1e-3
+        # ... differs from them by several times the tolerance above, so that match tells the weights apart
+        # (the gap depends on the tokens sampled, which depend on the CPU's kernels: 8.4e-4 on some machines)
+        assert max(abs(a - b) for a, b in zip(traj.logprobs[m:], stale)) > 5e-4
     for traj in groups[1].trajectories:  # started after the update: θ_1 only, no θ_0 prefix reused
         assert set(traj.versions.tolist()) == {1}
         fresh = _hf_logprobs(new, prompt + traj.response_ids.tolist(), len(prompt))
