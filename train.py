@@ -10,6 +10,7 @@ the logs; every rank trains and takes part in the weight sync.
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -182,6 +183,11 @@ def run(cfg: DictConfig) -> None:
         # the engines start from θ_version (a server may hold an earlier run's weights)
         sync.prepare(trainer.version)
         publish(trainer.version)
+    # What is built by now lives for the run: out of the garbage collector's generations, its
+    # collections scan only what the loop allocates (vLLM does so in its engine processes:
+    # vllm/utils/gc_utils.py `freeze_gc_heap`); on rank 0 the rollout thread's collections otherwise
+    # scan the whole heap (docs/benchmarks.md "The rollout client's cost")
+    gc.freeze()
     if main_rank:
         rollout.set_trainer_version(trainer.version)
         rollout.start()

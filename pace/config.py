@@ -116,6 +116,12 @@ class RolloutConfig:
     # or in their own (child). auto: inproc for one trainer process on CPU, else child.
     engines: int = 1
     engine_process: str = "auto"  # auto | inproc | child | server
+    # a generation request's new tokens reach the rollout thread every this many tokens (and at its end;
+    # vLLM's stream_interval): the per-token work on rank 0 shrinks with it (docs/benchmarks.md "The
+    # rollout client's cost"); > 1: in-process and child engines lose at a stop up to this − 1 tokens a
+    # request had not delivered (generated again; a server's unfinished turn is cut at a stop anyway), and
+    # in-process stamps are no longer checked against vLLM's versions token by token
+    stream_interval: int = 1
     # server: the engines are vLLM HTTP servers (pace/rollout/remote.py, docs/gpu.md "Rollout engines on
     # other nodes"): these URLs (http://host:port, started by scripts/launch_rollout_server.sh on any
     # host), or, when empty, `engines` servers this run starts on 127.0.0.1 and stops at its end

@@ -46,7 +46,7 @@ _CHOICES = {
 
 _POSITIVE = (
     "data.batch_prompts", "rollout.max_tokens", "rollout.max_inflight_groups", "rollout.sync_every",
-    "rollout.max_model_len", "rollout.engines", "trainer.steps", "trainer.mini_batches", "trainer.micro_batch_size",
+    "rollout.max_model_len", "rollout.engines", "rollout.stream_interval", "trainer.steps", "trainer.mini_batches", "trainer.micro_batch_size",
     "reward.timeout_s", "reward.workers", "rollout.temperature", "tools.workers", "tools.wall_s",
     "tools.cpu_s", "tools.memory_mb", "tools.output_bytes", "tools.output_chars", "trainer.lr", "eval.k", "eval.temperature",
     "trainer.control_timeout_s",

@@ -295,12 +295,31 @@ def scoring_params(length: int = 0):
     not asked for — a scoring request's routes are not recorded."""
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, routed_experts_prompt_start=length)
+    return SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, routed_experts_prompt_start=length,
+                          flat_logprobs=True)
+
+
+def sampled_logprobs(comp) -> list[float]:
+    """ℓ^μ of a completion's new tokens (requests ask for ``logprobs=0``: the sampled token's own).
+    vLLM's `FlatLogprobs` (``flat_logprobs=True``, as the rollout's requests ask) keeps them in one
+    flat list, one entry a position, read as it is; a list of {token: Logprob} per position (a
+    request without it) is read entry by entry."""
+    lps, ids = comp.logprobs, comp.token_ids
+    flat = getattr(lps, "logprobs", None)
+    if flat is not None and len(flat) == len(lps) == len(ids) and lps.token_ids == list(ids):
+        return flat
+    return [lp[tok].logprob for tok, lp in zip(ids, lps)]
 
 
 def prompt_token_logprobs(output, token_ids: list[int], start: int) -> list[float]:
-    """Log-probs of ``token_ids[start:]`` from a finished scoring request's ``prompt_logprobs``."""
-    return [output.prompt_logprobs[t][token_ids[t]].logprob for t in range(start, len(token_ids))]
+    """Log-probs of ``token_ids[start:]`` from a finished scoring request's ``prompt_logprobs``
+    (vLLM's `FlatLogprobs` or a list of {token: Logprob} per position)."""
+    plp = output.prompt_logprobs
+    starts = getattr(plp, "start_indices", None)
+    if starts is None:
+        return [plp[t][token_ids[t]].logprob for t in range(start, len(token_ids))]
+    ends, toks, vals = plp.end_indices, plp.token_ids, plp.logprobs
+    return [next(vals[i] for i in range(starts[t], ends[t]) if toks[i] == token_ids[t]) for t in range(start, len(token_ids))]
 
 
 def rescore(llm, sequences: list[tuple[list[int], int]]) -> list[list[float]]:

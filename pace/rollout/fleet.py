@@ -40,7 +40,7 @@ class Fleet(abc.ABC):
 
     version: int | None = None  # the label of the weights loaded (vLLM stamps each token with it)
     device_type: str = "cpu"  # the engines' device
-    in_process = False  # every engine steps in this process (the rollout's stamps are exact)
+    in_process = False  # every engine steps in this process (the rollout's stamps are exact at stream_interval 1)
     needs_regroup = False  # an engine was taken out: the weight-transfer group is formed again
     # rollout.kv_on_update=recompute: every update preempts the engines' running requests (their KV
     # freed, the prefix cache emptied), so each is prefilled again under the new weights when they
@@ -282,16 +282,18 @@ class EngineFleet(Fleet):
     def partial_versions(self, request_id: str, n: int):
         """The versions of the first ``n`` output tokens of an unfinished request, from its engine's
         output processor (the labels `CompletionOutput.weight_versions` is built from when the
-        request finishes); None if the engine holds no state for it or has labelled fewer tokens."""
+        request finishes); None if the engine holds no state for it or has labelled fewer tokens.
+        It may hold more: those not yet delivered (`rollout.stream_interval`)."""
         import numpy as np
 
         state = self._request_state(request_id)
         starts = getattr(state, "weight_version_starts", None)
-        if not starts or state.detokenizer.num_output_tokens() != n:
+        total = state.detokenizer.num_output_tokens() if starts else 0
+        if not starts or total < n:
             return None
-        ends = [start for _, start in starts[1:]] + [n]
+        ends = [start for _, start in starts[1:]] + [total]
         return np.repeat(np.array([int(v) for v, _ in starts], dtype=np.int32),
-                         np.array([e - s for (_, s), e in zip(starts, ends)], dtype=np.int64))
+                         np.array([e - s for (_, s), e in zip(starts, ends)], dtype=np.int64))[:n]
 
     def partial_routes(self, request_id: str):
         """The rows vLLM's output processor holds for an unfinished request (one chunk per step,

@@ -5,8 +5,11 @@ being graded, in completion order), ``_next_group_id``.
 Every new token gets v_t = the weights that sampled it and its ℓ^μ_t. The rollout thread stamps
 each step's tokens with the version it has loaded; vLLM labels them too (`weight_versions`, the
 version set with each update), and when a request finishes its spans replace the stamps. With
-an in-process engine the two must agree exactly (checked); an out-of-process engine core runs
-ahead of what the rollout thread has read, so there the spans are the record. A response that
+an in-process engine handing over every token at its step (`rollout.stream_interval=1`) the two
+must agree exactly (checked: `stamps_exact`); an out-of-process engine core runs ahead of what the
+rollout thread has read, and chunks (`stream_interval` > 1) arrive after some of their tokens'
+steps, so there the spans are the record. ℓ^μ is read from vLLM's flat log-prob lists
+(`engine.sampled_logprobs`). A response that
 finishes gets c(τ) = the trainer's version at that moment; a group whose G responses are done is
 graded (process pool, non-blocking) and then pooled. Each response records the engine that served
 it (`Trajectory.engine`, from the fleet's `engine` on each output; −1 once a second one served it).
@@ -129,7 +132,7 @@ class GenerationMixin:
                 traj.served_by(out.engine)
             tool_call = False
             for comp in out.outputs:  # this step's new tokens (delta outputs), appended as one chunk
-                traj.extend(comp.token_ids, [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs)], version)
+                traj.extend(comp.token_ids, engine_lib.sampled_logprobs(comp), version)
                 self.stats["tokens"] += len(comp.token_ids)
                 if out.finished:
                     self._record_spans(traj, pending.turn_start.get(idx, 0), comp.weight_versions)
@@ -152,7 +155,7 @@ class GenerationMixin:
         versions = span_versions(spans)
         if len(versions) != len(traj) - start:
             raise VersionMismatch(f"weight_versions cover {len(versions)} tokens, the turn has {len(traj) - start}")
-        if self.fleet.in_process:
+        if self.stamps_exact:
             if not np.array_equal(versions, traj.versions[start:]):
                 raise VersionMismatch(f"weight_versions {[(s.version, s.start, s.end) for s in spans]} disagree with "
                                       f"the rollout's stamps {traj.versions[start:].tolist()}")

@@ -20,7 +20,7 @@ GENERATE = "/inference/v1/generate"
 _PARAM_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
                "prompt_logprobs", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
                "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "repetition_penalty",
-               "presence_penalty", "frequency_penalty", "routed_experts_prompt_start")
+               "presence_penalty", "frequency_penalty", "routed_experts_prompt_start", "flat_logprobs", "stream_interval")
 
 
 @dataclass
@@ -59,12 +59,23 @@ class Output:
 def completion_from(choice: dict) -> Completion:
     ids = choice.get("token_ids") or []
     content = (choice.get("logprobs") or {}).get("content")
-    lps = None if content is None else [{t: Logprob(c["logprob"])} for t, c in zip(ids, content)]
+    lps = None if content is None else flat_logprobs(ids, content)
     spans = choice.get("weight_versions")
     routes = choice.get("routed_experts")
     return Completion(choice.get("index", 0), ids, lps, choice.get("text") or "", choice.get("finish_reason"),
                       choice.get("stop_reason"), None if spans is None else [Span(**s) for s in spans],
                       None if routes is None else decode_routes(routes))
+
+
+def flat_logprobs(ids: list, content: list):
+    """The chunk's sampled-token log-probs as vLLM's `FlatLogprobs` (one entry a position, the form
+    an engine in this process gives the rollout's requests: no dict and `Logprob` a token)."""
+    from vllm.logprobs import FlatLogprobs
+
+    n = len(ids)
+    return FlatLogprobs(start_indices=list(range(n)), end_indices=list(range(1, n + 1)), token_ids=list(ids),
+                        logprobs=[c["logprob"] for c in content], ranks=[c.get("rank") for c in content],
+                        decoded_tokens=[None] * n)
 
 
 def prompt_logprobs_from(entries: list | None) -> list | None:

@@ -67,15 +67,15 @@ class ResumingMixin:
                         traj.add_routes(rows, pending.route_start.get(idx, 0), len(pending.group.prompt_ids))
                 start = pending.turn_start.get(idx, 0)
                 versions = self.fleet.partial_versions(pending.request_id(idx), len(traj) - start)
-                if versions is None:  # (in process the stamps are exact: nothing to do)
-                    if not self.fleet.in_process and len(traj) > start:
+                if versions is None:  # (exact stamps: nothing to do)
+                    if not self.stamps_exact and len(traj) > start:
                         if not cut:
                             unlabelled.add(pending.group.id)
                             continue
                         self.stats["resume_unlabelled_tokens"] += len(traj) - start
                         traj.truncate(start)  # the response goes on from its request's start
                     continue
-                if self.fleet.in_process and not np.array_equal(versions, traj.versions[start:]):
+                if self.stamps_exact and not np.array_equal(versions, traj.versions[start:]):
                     raise VersionMismatch(f"weight versions {versions.tolist()} disagree with the rollout's stamps "
                                           f"{traj.versions[start:].tolist()} (request {pending.request_id(idx)})")
                 traj.versions[start:] = versions

@@ -69,9 +69,15 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, KvProbeMixi
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             logprobs=0,  # the sampled token's log-prob: ℓ^μ_t
+            flat_logprobs=True,  # kept by vLLM in flat lists, not one dict and Logprob a token (docs/benchmarks.md)
             output_kind=RequestOutputKind.DELTA,
             detokenize=bool(self.max_tool_calls),  # stop strings are matched on detokenized text
+            # a request's new tokens reach this thread every `rollout.stream_interval` tokens (and at its end)
+            stream_interval=cfg.rollout.stream_interval if cfg.rollout.stream_interval > 1 else None,
         )
+        # the rollout thread's stamps are every token's exact version only when each engine step's
+        # tokens reach it at that step: in process, one token an output
+        self.stamps_exact = self.fleet.in_process and cfg.rollout.stream_interval == 1
         # every turn's stop tokens, the same as evaluation.sampling_params' (pace/rollout/stopping.py)
         self._stop_ids = stop_token_ids(tokenizer, cfg.data)
         self.engine_version = 0  # weights loaded in the engines

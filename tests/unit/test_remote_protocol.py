@@ -33,6 +33,19 @@ def test_a_chunk_becomes_what_the_rollout_reads():
     assert middle.finish_reason is None and middle.weight_versions is None  # labels come with the last chunk only
 
 
+def test_a_chunk_s_logprobs_are_flat_and_read_as_they_are():
+    """As an engine in this process gives the rollout's requests (flat_logprobs=True): vLLM's
+    `FlatLogprobs`, whose flat list is ℓ^μ itself, no dict and `Logprob` a token."""
+    from vllm.logprobs import FlatLogprobs
+
+    from pace.rollout.engine import sampled_logprobs
+
+    comp = completion_from(CHUNK)
+    assert isinstance(comp.logprobs, FlatLogprobs)
+    lps = sampled_logprobs(comp)
+    assert lps == [-0.5, -1.25] and lps is comp.logprobs.logprobs
+
+
 def test_prompt_logprobs_keys_are_token_ids_again():
     entries = [None, {"6": {"logprob": -12.5, "rank": 85, "decoded_token": None}}]
     out = prompt_logprobs_from(entries)
@@ -44,10 +57,11 @@ def test_sampling_params_sent():
     from vllm.sampling_params import RequestOutputKind
 
     p = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, logprobs=0, stop=["</code>"], detokenize=True,
-                       output_kind=RequestOutputKind.DELTA)
+                       output_kind=RequestOutputKind.DELTA, flat_logprobs=True, stream_interval=16)
     sent = params_json(p)
-    assert {k: sent[k] for k in ("max_tokens", "temperature", "top_p", "logprobs", "stop", "detokenize")} == {
-        "max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "logprobs": 0, "stop": ["</code>"], "detokenize": True}
+    keys = ("max_tokens", "temperature", "top_p", "logprobs", "stop", "detokenize", "flat_logprobs", "stream_interval")
+    assert {k: sent[k] for k in keys} == {"max_tokens": 9, "temperature": 0.7, "top_p": 0.9, "logprobs": 0, "stop": ["</code>"],
+                                          "detokenize": True, "flat_logprobs": True, "stream_interval": 16}
     assert "output_kind" not in sent  # the server decides it from `stream`
 
 
