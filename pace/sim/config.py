@@ -50,6 +50,18 @@ class SimTrainerConfig:
 
 
 @dataclass
+class SimClientConfig:
+    """Rank 0's rollout client: the CPU each generated token costs the trainer's process (vLLM's output
+    processing, the rollout thread's record, the HTTP stream: scripts/bench_client_cost.py). A training
+    step that starts while the engines decode R tokens/s takes × (1 + slowdown(busy)), busy = R ·
+    us_per_token · 1e-6 (the share of one core the client holds the GIL), slowdown interpolated
+    linearly in ``curve``'s measured [busy, slowdown] pairs (held at its ends)."""
+
+    us_per_token: float = 0.0  # 0: not modelled
+    curve: list = field(default_factory=lambda: [[0.0, 0.0]])
+
+
+@dataclass
 class SimLevel:
     """One difficulty level of the prompts (responses.py)."""
 
@@ -95,6 +107,7 @@ class SimConfig:
     name: str = "default"  # the scenario
     engine: SimEngineConfig = field(default_factory=SimEngineConfig)
     trainer: SimTrainerConfig = field(default_factory=SimTrainerConfig)
+    client: SimClientConfig = field(default_factory=SimClientConfig)
     responses: SimResponsesConfig = field(default_factory=SimResponsesConfig)
     pfs: SimPfsConfig = field(default_factory=SimPfsConfig)
     sync: SimSyncConfig = field(default_factory=SimSyncConfig)
@@ -124,6 +137,11 @@ def validate_sim(cfg: DictConfig) -> None:
         if OmegaConf.select(s, key) < 0:
             raise ConfigError(f"sim.{key} must be >= 0, got {OmegaConf.select(s, key)}")
     _validate_sync(cfg)
+    curve = OmegaConf.to_object(s.client.curve)
+    if s.client.us_per_token < 0 or not curve or any(len(p) != 2 or p[0] < 0 for p in curve) \
+            or any(b[0] <= a[0] for a, b in zip(curve, curve[1:])):
+        raise ConfigError("sim.client: us_per_token must be >= 0 and curve a list of [busy, slowdown] pairs, "
+                          f"busy >= 0 and increasing; got {s.client.us_per_token}, {curve}")
     longest = s.responses.prompt_tokens + cfg.rollout.max_tokens + 1
     if s.engine.kv_tokens is not None and s.engine.kv_tokens < longest:
         raise ConfigError(f"sim.engine.kv_tokens={s.engine.kv_tokens} cannot hold one sequence of "

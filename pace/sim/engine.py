@@ -145,6 +145,10 @@ class SimEngine:
         self.reprefill_tokens += tokens
 
     # --- time ------------------------------------------------------------------------------------
+    def token_rate(self) -> float:
+        """Tokens a second the running sequences produce now (decode steps at the current n and S)."""
+        return self.n / (self.slow * (self.a + self.b * self.n + self.c * self.S)) if self.n else 0.0
+
     def _span(self, m: int) -> float:
         """Seconds of the next m steps at the current n and S (with the pending prefill)."""
         a = self.a + self.b * self.n + self.c * self.S

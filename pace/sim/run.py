@@ -248,8 +248,17 @@ class Simulation:
         tokens = sum(g.prompt_tokens * self.g + g.num_tokens for g in batch.groups)
         train_s = t.step_s + t.per_update_s * self.cfg.trainer.mini_batches + t.per_token_s * tokens
         if any(e.n for e in self.engines):  # generating alongside: shared processors slow the step
-            train_s *= t.colocated_slowdown
+            train_s *= t.colocated_slowdown * self._client_slowdown()
         self._push(self.now + train_s, _TRAIN_DONE, (batch, self.now, train_s))
+
+    def _client_slowdown(self) -> float:
+        """The factor rank 0's rollout client puts on a step starting now (sim.client), from the
+        engines' token rate at this moment."""
+        c = self.cfg.sim.client
+        if not c.us_per_token:
+            return 1.0
+        busy = sum(e.token_rate() for e in self.engines) * c.us_per_token * 1e-6
+        return 1.0 + float(np.interp(busy, [p[0] for p in c.curve], [p[1] for p in c.curve]))
 
     def _train_done(self, batch, started: float, train_s: float) -> None:
         """θ_{step+1} exists; the trainer's side of the sync follows (if due), then the engines load it."""

@@ -429,3 +429,27 @@ def test_paper_presets_build_a_pool_past_n_star_that_pace_rejects_from(preset):
     assert got["pace_over_async"] <= sp.CHECK["pace_over_async"]
     assert got["sync_over_async"] >= sp.CHECK["sync_over_async"]
     assert got["holds"]
+
+
+def test_client_cost_lengthens_the_steps_that_overlap_generation_by_the_measured_curve():
+    """sim.client: a step starting while the engines decode R tokens/s takes × (1 + slowdown(busy)),
+    busy = R · us_per_token · 1e-6, slowdown interpolated in the measured curve; Sync's steps (the
+    engines idle while it trains) are not touched."""
+    e = _engine(step_s=0.5, per_seq_s=0.25)
+    e.submit(_group(8, 8, prompt=2), 0.0)
+    assert e.n == 2 and e.token_rate() == pytest.approx(2.0)  # 2 tokens a step of 0.5 + 2 · 0.25 s
+    client = ("sim.client.us_per_token=150000", "sim.client.curve=[[0,0],[0.2,0.1],[1,1]]")
+    s = Simulation(sim_cfg(*DET, "pool.name=async", "rollout.max_inflight_groups=8", *client))
+    s.engines = [e]
+    assert s._client_slowdown() == pytest.approx(1 + 0.1 + 0.9 * (0.3 - 0.2) / 0.8)  # busy 2 · 0.15 = 0.3
+    base = Simulation(sim_cfg(*DET, "pool.name=async", "rollout.max_inflight_groups=8"))
+    slow = Simulation(sim_cfg(*DET, "pool.name=async", "rollout.max_inflight_groups=8", *client))
+    base.run()
+    slow.run()
+    longer = [b["time/step"] < s["time/step"] for b, s in zip(base.rows[1:], slow.rows[1:])]
+    assert all(longer)
+    sync = Simulation(sim_cfg(*DET, "pool.name=sync", *client))
+    sync.run()
+    assert [r["time/step"] for r in sync.rows] == pytest.approx([1.5] * 10)
+    with pytest.raises(ConfigError, match="sim.client"):
+        sim_cfg("sim.client.curve=[[0.5,0],[0.2,1]]")
