@@ -186,7 +186,9 @@ def run(cfg: DictConfig) -> None:
     # What is built by now lives for the run: out of the garbage collector's generations, its
     # collections scan only what the loop allocates (vLLM does so in its engine processes:
     # vllm/utils/gc_utils.py `freeze_gc_heap`); on rank 0 the rollout thread's collections otherwise
-    # scan the whole heap (docs/benchmarks.md "The rollout client's cost")
+    # scan the whole heap (docs/benchmarks.md "The rollout client's cost"). Garbage first, as vLLM does:
+    # what is frozen is never collected
+    gc.collect()
     gc.freeze()
     if main_rank:
         rollout.set_trainer_version(trainer.version)

@@ -319,7 +319,13 @@ def prompt_token_logprobs(output, token_ids: list[int], start: int) -> list[floa
     if starts is None:
         return [plp[t][token_ids[t]].logprob for t in range(start, len(token_ids))]
     ends, toks, vals = plp.end_indices, plp.token_ids, plp.logprobs
-    return [next(vals[i] for i in range(starts[t], ends[t]) if toks[i] == token_ids[t]) for t in range(start, len(token_ids))]
+    out = []
+    for t in range(start, len(token_ids)):
+        i = next((i for i in range(starts[t], ends[t]) if toks[i] == token_ids[t]), None)
+        if i is None:
+            raise ValueError(f"prompt_logprobs of position {t} hold no entry for its token {token_ids[t]}")
+        out.append(vals[i])
+    return out
 
 
 def rescore(llm, sequences: list[tuple[list[int], int]]) -> list[list[float]]:

@@ -218,8 +218,9 @@ class GenerationMixin:
     def _count_reprefill(self) -> None:
         """recompute: the tokens the update makes the engines prefill again, as this thread sees them:
         prompt + response so far of every response whose request has produced a token (a request
-        prefilled whose first token has not reached this thread yet is not counted; nor are scoring
-        and validation requests, prefilled again too)."""
+        prefilled whose first token has not reached this thread yet is not counted, nor the up to
+        rollout.stream_interval − 1 tokens a request has not handed over; nor are scoring and
+        validation requests, prefilled again too)."""
         if not self.fleet.reprefill_on_update:
             return
         n = 0

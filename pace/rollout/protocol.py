@@ -17,10 +17,13 @@ import numpy as np
 from pace.rollout.routes import decode as decode_routes
 
 GENERATE = "/inference/v1/generate"
+# (not `flat_logprobs`: a server turns log-probs into JSON either way, and its clamp of −inf prompt
+# log-probs, entrypoints/serve/.../serving.py `clamp_prompt_logprobs`, edits dicts a flat container
+# only makes up on the fly)
 _PARAM_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
                "prompt_logprobs", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
                "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "repetition_penalty",
-               "presence_penalty", "frequency_penalty", "routed_experts_prompt_start", "flat_logprobs", "stream_interval")
+               "presence_penalty", "frequency_penalty", "routed_experts_prompt_start", "stream_interval")
 
 
 @dataclass

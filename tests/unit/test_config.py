@@ -321,8 +321,8 @@ def test_documented_launches_fill_one_node_of_8_gpus() -> None:
     assert {"pace_qwen3_8b", "pace_qwen3_8b_h100", "pace_qwen3_4b", "pace_qwen3_4b_retool"} <= {x[3] for x in launches}
     for doc, yaml, n, preset, extra in launches:
         cfg = compose_cfg([f"+exp={preset}", *extra])
-        if cfg.rollout.engine_process == "server":
-            continue  # engines on other nodes: the multi-node test below
+        if cfg.rollout.servers:
+            continue  # engines on other nodes: the multi-node test below (servers this run starts are on this node)
         assert n + cfg.rollout.engines * cfg.rollout.tensor_parallel_size == 8, (doc, preset, n)
 
 
