@@ -43,11 +43,13 @@ def _cfg(args):
 
     register()
     inflight = -(-args.engines * args.max_running // args.group_size)  # enough groups to fill every engine
+    # K through the run's own key (its requests ask for it); left out at 1, for code from before the key
+    k = [f"rollout.stream_interval={args.stream_interval}"] if args.stream_interval > 1 else []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return compose(config_name="config", overrides=[
             "+exp=async_tiny", f"data.group_size={args.group_size}", f"rollout.max_tokens={args.max_tokens}",
             f"rollout.max_inflight_groups={inflight}", f"rollout.engines={args.engines}", "eval.every=0",
-            "eval.at_start=false"])
+            "eval.at_start=false", *k])
 
 
 class GcClock:
@@ -135,13 +137,13 @@ def build_fleet(path: str, args, cfg, base_engine, tokenizer):
     if path in ("inproc", "child"):
         from pace.rollout.fleet import EngineFleet
 
-        feed = client_feed.FeedEngines(base_engine, args.engines, path, None, args.max_running, args.stream_interval)
+        feed = client_feed.FeedEngines(base_engine, args.engines, path, None, args.max_running)
         fleet = EngineFleet(feed.llms)
         assert fleet.in_process == (path == "inproc")
         return fleet, feed.set_rate, feed.core_seconds, feed.shutdown
     from pace.rollout.remote import RemoteFleet
 
-    urls, procs = client_feed.start_servers(args.engines, None, args.max_running, args.stream_interval)
+    urls, procs = client_feed.start_servers(args.engines, None, args.max_running)
     fleet = RemoteFleet(urls, tokenizer, "cpu", None)
 
     def set_rate(rate):
@@ -227,7 +229,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=180, help="scoring: the prompt (the 8B scenario's median)")
     ap.add_argument("--prefix-tokens", type=int, default=16, help="scoring: pace.prefix_tokens")
     ap.add_argument("--stream-interval", type=int, default=1,
-                    help="tokens a request's outputs carry (vLLM's --stream-interval: the output processor's, or the server's)")
+                    help="rollout.stream_interval: tokens a request's outputs carry (vLLM's per-request stream_interval)")
     ap.add_argument("--gc-freeze", action="store_true", help="every path with rank 0's heap frozen after set-up")
     ap.add_argument("--gc-threshold", type=int, default=None, help="gc.set_threshold's first generation (Python's default 700)")
     ap.add_argument("--switch-interval", type=float, default=None,

@@ -254,7 +254,8 @@ class ChildFeed:
 class FeedEngines:
     """``n`` `LLMEngine`s for an `EngineFleet`, each a shallow copy of ``engine`` (a real one: its
     input processor and renderer) with its own output processor (emitting a request's outputs every
-    ``stream_interval`` tokens: vLLM's `--stream-interval`) and a stand-in core (``mode``)."""
+    ``stream_interval`` tokens at least: vLLM's `--stream-interval`; a request may ask for more) and
+    a stand-in core (``mode``)."""
 
     def __init__(self, engine, n: int, mode: str, rate: float | None, max_running: int, stream_interval: int = 1):
         import copy
@@ -291,14 +292,14 @@ class _Llm:
 # --- a stand-in vLLM server ------------------------------------------------------------------
 def serve(port_out, rate: float | None, max_running: int, stream_interval: int = 1) -> None:
     """A process serving vLLM's generate route at ``rate`` tokens/s, streamed one event per
-    ``stream_interval`` tokens (vLLM's `--stream-interval`); the port it listens on is put on
-    ``port_out``. The events are built with vLLM's own models, two per request (the chunks' tokens
+    ``stream_interval`` tokens (vLLM's `--stream-interval`; a request asking for more gets its own,
+    as vLLM clamps it); the port it listens on is put on ``port_out``. The events are built with vLLM's own models, two per request (the chunks' tokens
     repeat), and the last carries the request's weight-version span."""
     import asyncio
 
     from aiohttp import web
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
-        GenerateLogProbs, GenerateLogProbsContent, GenerateTokensChoice, GenerateTokensResponse,
+        GenerateLogProb, GenerateLogProbs, GenerateLogProbsContent, GenerateTokensChoice, GenerateTokensResponse,
         GenerateTokensStreamChoice, GenerateTokensStreamResponse)
     from vllm.logprobs import Logprob
     from vllm.outputs import WeightVersionSpan
@@ -308,9 +309,12 @@ def serve(port_out, rate: float | None, max_running: int, stream_interval: int =
     def event(rid: str, k: int, last: int | None) -> bytes:
         """One event of ``k`` tokens (``last``: the response's length, on its final event)."""
         toks = [5 + (hash(rid) + i) % 90 for i in range(k)]
+        # each token's entry as vLLM's `_create_tokens_logprobs` writes it for logprobs=0: its rank and
+        # a one-entry top_logprobs (max(logprobs, 1))
+        content = [GenerateLogProbsContent(token_id=t, logprob=-0.25, rank=1,
+                                           top_logprobs=[GenerateLogProb(token_id=t, logprob=-0.25, rank=1)]) for t in toks]
         choice = GenerateTokensStreamChoice(
-            index=0, token_ids=toks, finish_reason="stop" if last else None,
-            logprobs=GenerateLogProbs(content=[GenerateLogProbsContent(token_id=t, logprob=-0.25) for t in toks]),
+            index=0, token_ids=toks, finish_reason="stop" if last else None, logprobs=GenerateLogProbs(content=content),
             weight_versions=[WeightVersionSpan("0", 0, last)] if last else None)
         chunk = GenerateTokensStreamResponse(request_id=rid, choices=[choice])
         return f"data: {chunk.model_dump_json(exclude={'prompt_token_ids', 'mm_placeholders', 'metrics'})}\n\n".encode()
@@ -337,12 +341,13 @@ def serve(port_out, rate: float | None, max_running: int, stream_interval: int =
                     return web.Response(body=resp.model_dump_json().encode(), content_type="application/json")
                 out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await out.prepare(request)
-                n, chunk = length(rid, sp["max_tokens"]), event(rid, stream_interval, None)
-                for k in range(1, n + 1):  # one token a step; an event every `stream_interval` tokens and at the end
+                every = max(sp.get("stream_interval") or 1, stream_interval)  # the request's, as vLLM clamps it
+                n, chunk = length(rid, sp["max_tokens"]), event(rid, every, None)
+                for k in range(1, n + 1):  # one token a step; an event every `every` tokens and at the end
                     await state["tick"]
                     if k == n:
-                        await out.write(event(rid, n - (n - 1) // stream_interval * stream_interval, n) + b"data: [DONE]\n\n")
-                    elif k % stream_interval == 0:
+                        await out.write(event(rid, n - (n - 1) // every * every, n) + b"data: [DONE]\n\n")
+                    elif k % every == 0:
                         await out.write(chunk)
                 return out
             except ConnectionResetError:  # the client closed the stream (an abort, or the benchmark's end)
