@@ -137,13 +137,13 @@ def build_fleet(path: str, args, cfg, base_engine, tokenizer):
     if path in ("inproc", "child"):
         from pace.rollout.fleet import EngineFleet
 
-        feed = client_feed.FeedEngines(base_engine, args.engines, path, None, args.max_running)
+        feed = client_feed.FeedEngines(base_engine, args.engines, path, None, args.max_running, cores=args.feed_cores)
         fleet = EngineFleet(feed.llms)
         assert fleet.in_process == (path == "inproc")
         return fleet, feed.set_rate, feed.core_seconds, feed.shutdown
     from pace.rollout.remote import RemoteFleet
 
-    urls, procs = client_feed.start_servers(args.engines, None, args.max_running)
+    urls, procs = client_feed.start_servers(args.engines, None, args.max_running, cores=args.feed_cores)
     fleet = RemoteFleet(urls, tokenizer, "cpu", None)
 
     def set_rate(rate):
@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=16, help="scoring: pace.prefix_tokens")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="rollout.stream_interval: tokens a request's outputs carry (vLLM's per-request stream_interval)")
+    ap.add_argument("--pin", action="store_true",
+                    help="this process on CPU 0, the stand-in cores and servers on the others (the slowdown without core contention)")
     ap.add_argument("--gc-freeze", action="store_true", help="every path with rank 0's heap frozen after set-up")
     ap.add_argument("--gc-threshold", type=int, default=None, help="gc.set_threshold's first generation (Python's default 700)")
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -237,6 +239,10 @@ def main() -> None:
     ap.add_argument("--score-groups", type=int, default=8, help="scoring: groups pending at once")
     args = ap.parse_args()
 
+    args.feed_cores = None
+    if args.pin:  # (its grading workers, started from it, stay on CPU 0 too)
+        args.feed_cores = set(range(1, os.cpu_count())) or None
+        os.sched_setaffinity(0, {0})
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     if args.gc_threshold is not None:
@@ -259,7 +265,7 @@ def main() -> None:
     gc_clock = GcClock()
     trainers = {g: StandInTrainer(g) for g in args.gil}
     alone = {g: trainers[g].run(args.seconds)[0] for g in args.gil}
-    print(f"stream interval {args.stream_interval}, GC thresholds {gc.get_threshold()}, switch interval "
+    print(f"pinned: {bool(args.pin)}; stream interval {args.stream_interval}, GC thresholds {gc.get_threshold()}, switch interval "
           f"{sys.getswitchinterval() * 1e3:g} ms; engines {args.engines} × {args.max_running} running, "
           f"responses 1-{args.max_tokens} tokens, G={args.group_size}; windows {args.seconds:.0f} s; "
           f"trainer alone: " + ", ".join(f"gil={g}: {1e3 * p:.3f} ms/period" for g, p in alone.items()), flush=True)

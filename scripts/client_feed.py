@@ -23,6 +23,7 @@ Scoring requests (`prompt_logprobs`, PACE's rescoring) get one output with the p
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import zlib
@@ -34,7 +35,8 @@ import numpy as np
 
 class Feed:
     """One engine core's scheduling: up to ``max_running`` requests, one token each per step, steps
-    paced at ``rate`` tokens/s (None: as fast as asked). Requests are (id, max_tokens, prompt ids if it asks for their log-probs (scoring) else None, logprobs)."""
+    paced at ``rate`` tokens/s (None: as fast as asked). A request is its id, max_tokens, its prompt
+    ids if it asks for their log-probs (scoring; else None) and whether it asks for ℓ^μ."""
 
     def __init__(self, rate: float | None, max_running: int, version: str = "0"):
         self.rate, self.max_running, self.version = rate, max_running, version
@@ -144,8 +146,15 @@ class InprocFeed:
         pass
 
 
-def _core_main(in_addr: str, out_addr: str, rate: float | None, max_running: int) -> None:
+def pin(cores: set[int] | None) -> None:
+    """This process on ``cores`` only (None: where it was)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+def _core_main(in_addr: str, out_addr: str, rate: float | None, max_running: int, cores: set[int] | None = None) -> None:
     """A child engine's core process: requests in (vLLM's msgpack), paced steps out."""
+    pin(cores)
     import zmq
     from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -182,7 +191,7 @@ def _core_main(in_addr: str, out_addr: str, rate: float | None, max_running: int
 class ChildFeed:
     """vLLM's `SyncMPClient` as its caller's process sees it, around a `Feed` in a process of its own."""
 
-    def __init__(self, rate: float | None, max_running: int):
+    def __init__(self, rate: float | None, max_running: int, cores: set[int] | None = None):
         import multiprocessing as mp
 
         import zmq
@@ -194,7 +203,7 @@ class ChildFeed:
         in_port = self.input.bind_to_random_port("tcp://127.0.0.1")
         out_port = output.bind_to_random_port("tcp://127.0.0.1")
         self.proc = mp.get_context("spawn").Process(
-            target=_core_main, args=(f"tcp://127.0.0.1:{in_port}", f"tcp://127.0.0.1:{out_port}", rate, max_running),
+            target=_core_main, args=(f"tcp://127.0.0.1:{in_port}", f"tcp://127.0.0.1:{out_port}", rate, max_running, cores),
             daemon=True)
         self.proc.start()
         self.encoder = MsgpackEncoder()
@@ -257,7 +266,8 @@ class FeedEngines:
     ``stream_interval`` tokens at least: vLLM's `--stream-interval`; a request may ask for more) and
     a stand-in core (``mode``)."""
 
-    def __init__(self, engine, n: int, mode: str, rate: float | None, max_running: int, stream_interval: int = 1):
+    def __init__(self, engine, n: int, mode: str, rate: float | None, max_running: int, stream_interval: int = 1,
+                 cores: set[int] | None = None):
         import copy
 
         from vllm.v1.engine.output_processor import OutputProcessor
@@ -269,7 +279,7 @@ class FeedEngines:
             e.output_processor = OutputProcessor(engine.renderer.tokenizer, log_stats=engine.log_stats,
                                                  stream_interval=stream_interval)
             e.engine_core = InprocFeed(rate / n if rate else None, max_running) if mode == "inproc" else \
-                ChildFeed(rate / n if rate else None, max_running)
+                ChildFeed(rate / n if rate else None, max_running, cores)
             self.llms.append(_Llm(e))
 
     def set_rate(self, rate: float | None) -> None:
@@ -290,11 +300,13 @@ class _Llm:
 
 
 # --- a stand-in vLLM server ------------------------------------------------------------------
-def serve(port_out, rate: float | None, max_running: int, stream_interval: int = 1) -> None:
+def serve(port_out, rate: float | None, max_running: int, stream_interval: int = 1, cores: set[int] | None = None) -> None:
     """A process serving vLLM's generate route at ``rate`` tokens/s, streamed one event per
     ``stream_interval`` tokens (vLLM's `--stream-interval`; a request asking for more gets its own,
-    as vLLM clamps it); the port it listens on is put on ``port_out``. The events are built with vLLM's own models, two per request (the chunks' tokens
-    repeat), and the last carries the request's weight-version span."""
+    as vLLM clamps it); the port it listens on is put on ``port_out``. The events are built with
+    vLLM's own models, two per request (the chunks' tokens repeat), and the last carries the
+    request's weight-version span. ``cores``: the CPUs the process runs on (None: any)."""
+    pin(cores)
     import asyncio
 
     from aiohttp import web
@@ -385,7 +397,8 @@ def serve(port_out, rate: float | None, max_running: int, stream_interval: int =
     asyncio.run(main())
 
 
-def start_servers(n: int, rate: float | None, max_running: int, stream_interval: int = 1) -> tuple[list[str], list]:
+def start_servers(n: int, rate: float | None, max_running: int, stream_interval: int = 1,
+                  cores: set[int] | None = None) -> tuple[list[str], list]:
     """``n`` stand-in servers (processes), each at ``rate / n`` tokens/s: their URLs and processes."""
     import multiprocessing as mp
 
@@ -393,7 +406,7 @@ def start_servers(n: int, rate: float | None, max_running: int, stream_interval:
     procs, urls = [], []
     for _ in range(n):
         q = ctx.Queue()
-        p = ctx.Process(target=serve, args=(q, rate / n if rate else None, max_running, stream_interval), daemon=True)
+        p = ctx.Process(target=serve, args=(q, rate / n if rate else None, max_running, stream_interval, cores), daemon=True)
         p.start()
         procs.append(p)
         urls.append(f"http://127.0.0.1:{q.get(timeout=120)}")
