@@ -69,9 +69,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, KvProbeMixi
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             logprobs=0,  # the sampled token's log-prob: ℓ^μ_t
-            # kept by vLLM in flat lists, not one dict and Logprob a token (docs/benchmarks.md); not with tool
-            # turns: their stop test failed with it (test_tool_rollout.py, 2026-12-06; cause not found yet)
-            flat_logprobs=not self.max_tool_calls,
+            flat_logprobs=True,  # kept by vLLM in flat lists, not one dict and Logprob a token (docs/benchmarks.md)
             output_kind=RequestOutputKind.DELTA,
             detokenize=bool(self.max_tool_calls),  # stop strings are matched on detokenized text
             # a request's new tokens reach this thread every `rollout.stream_interval` tokens (and at its end)
