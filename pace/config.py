@@ -126,6 +126,10 @@ class RolloutConfig:
     # other nodes"): these URLs (http://host:port, started by scripts/launch_rollout_server.sh on any
     # host), or, when empty, `engines` servers this run starts on 127.0.0.1 and stops at its end
     servers: list[str] = field(default_factory=list)
+    # server: who reads the generation streams: a child process (process; rank 0 gets packed arrays, a
+    # message every few ms: the per-token JSON parsing off the trainer's GIL, pace/rollout/streams.py) or
+    # a thread of rank 0's process (thread; docs/benchmarks.md "The rollout client's cost")
+    stream_reader: str = "process"
     # a server that dies, stalls or fails its health checks: continue on the others (its requests
     # go to a live one; warning, `rollout/engines_alive`) | stop (checkpoint, the cause named)
     on_engine_failure: str = "continue"

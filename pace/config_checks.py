@@ -35,6 +35,7 @@ _CHOICES = {
     "logger.mode": ("online", "offline", "disabled"),
     "rollout.cpu_threads_bind": ("nobind", "auto"),
     "rollout.engine_process": ("auto", "inproc", "child", "server"),
+    "rollout.stream_reader": ("process", "thread"),
     "rollout.on_engine_failure": ("continue", "stop"),
     "rollout.placement": ("separate", "colocate"),
     "rollout.weight_transfer": ("auto", "shm", "nccl", "ipc", "gloo"),

@@ -109,9 +109,11 @@ def thread_cpu() -> dict[int, float]:
     return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
 
 
-def window(worker, fleet_core, seconds: float, trainer: StandInTrainer | None, gc_clock: GcClock) -> dict:
-    """One measurement window: client CPU, tokens, GC; the trainer's time per period if one runs."""
+def window(worker, fleet_core, seconds: float, trainer: StandInTrainer | None, gc_clock: GcClock, reader_s=lambda: 0.0) -> dict:
+    """One measurement window: client CPU, tokens, GC; the trainer's time per period if one runs;
+    the stream reader's process's CPU."""
     c0, tok0, g0, core0, t0 = thread_cpu(), worker.stats["tokens"], gc_clock.total, fleet_core(), time.perf_counter()
+    r0 = reader_s()
     res = {}
     if trainer is not None:
         res["period"], tid = trainer.run(seconds)
@@ -124,7 +126,8 @@ def window(worker, fleet_core, seconds: float, trainer: StandInTrainer | None, g
     core = fleet_core() - core0
     tokens = worker.stats["tokens"] - tok0
     res.update(tokens=tokens, wall=wall, rate=tokens / wall, client_s=cpu - core, core_s=core,
-               rollout_s=c1.get(worker.native_id, 0) - c0.get(worker.native_id, 0) - core, gc_s=gc_clock.total - g0)
+               rollout_s=c1.get(worker.native_id, 0) - c0.get(worker.native_id, 0) - core, gc_s=gc_clock.total - g0,
+               reader_s=reader_s() - r0)
     return res
 
 
@@ -140,11 +143,16 @@ def build_fleet(path: str, args, cfg, base_engine, tokenizer):
         feed = client_feed.FeedEngines(base_engine, args.engines, path, None, args.max_running, cores=args.feed_cores)
         fleet = EngineFleet(feed.llms)
         assert fleet.in_process == (path == "inproc")
-        return fleet, feed.set_rate, feed.core_seconds, feed.shutdown
+        return fleet, feed.set_rate, feed.core_seconds, feed.shutdown, lambda: 0.0
     from pace.rollout.remote import RemoteFleet
 
     urls, procs = client_feed.start_servers(args.engines, None, args.max_running, cores=args.feed_cores)
-    fleet = RemoteFleet(urls, tokenizer, "cpu", None)
+    # the streams read in a child (rollout.stream_reader=process) or on this process's loop (thread; code
+    # from before the key knows no other)
+    fleet = RemoteFleet(urls, tokenizer, "cpu", None, **({"stream_reader": args.stream_reader} if args.stream_reader != "thread" else {}))
+    reader = getattr(fleet, "_streams", None)
+    if reader is not None and args.feed_cores:
+        os.sched_setaffinity(reader.process.pid, args.feed_cores)  # off rank 0's core, as on a GPU node's
 
     def set_rate(rate):
         for u in urls:
@@ -155,7 +163,15 @@ def build_fleet(path: str, args, cfg, base_engine, tokenizer):
         for p in procs:
             p.kill()
 
-    return fleet, set_rate, lambda: 0.0, shutdown
+    def reader_s():
+        import psutil
+
+        if reader is None:
+            return 0.0
+        t = psutil.Process(reader.process.pid).cpu_times()
+        return t.user + t.system
+
+    return fleet, set_rate, lambda: 0.0, shutdown, reader_s
 
 
 def make_worker(fleet, cfg, tokenizer):
@@ -230,6 +246,8 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=16, help="scoring: pace.prefix_tokens")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="rollout.stream_interval: tokens a request's outputs carry (vLLM's per-request stream_interval)")
+    ap.add_argument("--stream-reader", choices=["thread", "process"], default="process",
+                    help="servers: rollout.stream_reader (process: the streams read in a child process)")
     ap.add_argument("--pin", action="store_true",
                     help="this process on CPU 0, the stand-in cores and servers on the others (the slowdown without core contention)")
     ap.add_argument("--gc-freeze", action="store_true", help="every path with rank 0's heap frozen after set-up")
@@ -269,7 +287,9 @@ def main() -> None:
           f"{sys.getswitchinterval() * 1e3:g} ms; engines {args.engines} × {args.max_running} running, "
           f"responses 1-{args.max_tokens} tokens, G={args.group_size}; windows {args.seconds:.0f} s; "
           f"trainer alone: " + ", ".join(f"gil={g}: {1e3 * p:.3f} ms/period" for g, p in alone.items()), flush=True)
+    print(f"servers' streams read by: {args.stream_reader}", flush=True)
     print("| path | rate set | delivered | client CPU-µs/token | (rollout thread) | GC ms/s | stand-in core µs/token | "
+          "stream reader process µs/token | "
           + " | ".join(f"trainer slowdown gil={g}" for g in args.gil) + " |", flush=True)
     scoring = {}
     for p in args.paths:
@@ -277,7 +297,7 @@ def main() -> None:
         # `freeze_gc_heap`): in this process for an in-process engine, in their own for the others
         gc.freeze() if p == "inproc" or args.gc_freeze else gc.unfreeze()
         print(f"| {p}: {len(gc.get_objects()):,} objects tracked by the GC, {gc.get_freeze_count():,} frozen | |", flush=True)
-        fleet, set_rate, core_s, shutdown = build_fleet(p, args, cfg, base.llm_engine, tokenizer)
+        fleet, set_rate, core_s, shutdown, reader_s = build_fleet(p, args, cfg, base.llm_engine, tokenizer)
         worker, grader = make_worker(fleet, cfg, tokenizer)
         try:
             set_rate(args.rates[0])
@@ -288,17 +308,17 @@ def main() -> None:
             for rate in args.rates:
                 set_rate(rate)
                 time.sleep(args.warmup)
-                w = window(worker, core_s, args.seconds, None, gc_clock)
+                w = window(worker, core_s, args.seconds, None, gc_clock, reader_s)
                 slow = [window(worker, core_s, args.seconds, trainers[g], gc_clock)["period"] / alone[g] - 1 for g in args.gil]
                 worker.check()
                 print(f"| {p} | {rate:,.0f} | {w['rate'] / rate:.2f} | {1e6 * w['client_s'] / w['tokens']:.1f} | "
                       f"{1e6 * w['rollout_s'] / w['tokens']:.1f} | {1e3 * w['gc_s'] / w['wall']:.0f} | "
-                      f"{1e6 * w['core_s'] / w['tokens']:.1f} | " + " | ".join(f"{100 * s:+.1f}%" for s in slow) + " |", flush=True)
+                      f"{1e6 * w['core_s'] / w['tokens']:.1f} | {1e6 * w['reader_s'] / w['tokens']:.1f} | " + " | ".join(f"{100 * s:+.1f}%" for s in slow) + " |", flush=True)
         finally:
             worker.stop()
             grader.close()
             shutdown()
-            del worker, fleet, set_rate, core_s, shutdown  # and what they hold: each path starts from the same heap
+            del worker, fleet, set_rate, core_s, shutdown, reader_s  # and what they hold: each path starts from the same heap
             gc.collect()
     print(f"\nPACE scoring (prompt {args.prompt_tokens} + prefix {args.prefix_tokens} tokens a request, "
           f"{args.score_groups} groups × {args.group_size} pending, no generation; the rate of the first window):")

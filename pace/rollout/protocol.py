@@ -62,22 +62,28 @@ class Output:
 def completion_from(choice: dict) -> Completion:
     ids = choice.get("token_ids") or []
     content = (choice.get("logprobs") or {}).get("content")
-    lps = None if content is None else flat_logprobs(ids, content)
-    spans = choice.get("weight_versions")
-    routes = choice.get("routed_experts")
-    return Completion(choice.get("index", 0), ids, lps, choice.get("text") or "", choice.get("finish_reason"),
-                      choice.get("stop_reason"), None if spans is None else [Span(**s) for s in spans],
+    lps = None if content is None else flat_logprobs(ids, [c["logprob"] for c in content], [c.get("rank") for c in content])
+    return completion(choice.get("index", 0), ids, lps, choice.get("text") or "", choice.get("finish_reason"),
+                      choice.get("stop_reason"), choice.get("weight_versions"), choice.get("routed_experts"))
+
+
+def completion(index: int, ids: list, lps, text: str, finish_reason, stop_reason, spans: list | None,
+               routes: str | None) -> Completion:
+    """A chunk as the rollout reads it: ``lps`` a `FlatLogprobs` or None, ``spans`` and ``routes`` as
+    the server sent them (a list of dicts; base64 `.npy`)."""
+    return Completion(index, ids, lps, text, finish_reason, stop_reason,
+                      None if spans is None else [Span(**s) for s in spans],
                       None if routes is None else decode_routes(routes))
 
 
-def flat_logprobs(ids: list, content: list):
+def flat_logprobs(ids: list, logprobs: list, ranks: list | None = None):
     """The chunk's sampled-token log-probs as vLLM's `FlatLogprobs` (one entry a position, the form
     an engine in this process gives the rollout's requests: no dict and `Logprob` a token)."""
     from vllm.logprobs import FlatLogprobs
 
     n = len(ids)
     return FlatLogprobs(start_indices=list(range(n)), end_indices=list(range(1, n + 1)), token_ids=list(ids),
-                        logprobs=[c["logprob"] for c in content], ranks=[c.get("rank") for c in content],
+                        logprobs=logprobs, ranks=ranks if ranks is not None else [None] * n,
                         decoded_tokens=[None] * n)
 
 

@@ -13,7 +13,9 @@ Everything goes through vLLM's own serving routes (pace/rollout/server.py starts
   weights), labelled with `/update_weight_version`; the reload checks through `/collective_rpc`.
 
 The HTTP client runs on an asyncio loop of its own thread; the rollout thread's `step()` takes
-what the streams delivered. A group's requests go to one server (a shared prompt prefix), as in
+what the streams delivered. The generation streams themselves are read in a child process by
+default (`rollout.stream_reader=process`, pace/rollout/streams.py: their per-token parsing off
+the trainer's GIL); `thread` reads them on that loop. A group's requests go to one server (a shared prompt prefix), as in
 the in-host fleet.
 
 A server that stops answering `/health` (three misses, one second apart), whose process exits,
@@ -39,7 +41,7 @@ from pace.rollout import request_ids
 from pace.rollout.fleet import Fleet
 from pace.rollout.healing import HealingMixin
 from pace.rollout.remote_weights import RemoteWeightsMixin
-from pace.rollout.protocol import GENERATE, Output, completion_from, params_json, prompt_logprobs_from
+from pace.rollout.protocol import GENERATE, Output, completion, completion_from, flat_logprobs, params_json, prompt_logprobs_from
 from pace.rollout.server_state import DEAD, DRAINING, SERVING, WATCHED, EngineFailure, Server, world_size
 
 HEALTH_INTERVAL_S = 1.0
@@ -57,7 +59,7 @@ class RequestRefused(RuntimeError):
 class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
     def __init__(self, urls: list[str], tokenizer, device_type: str = "cpu", processes: list | None = None,
                  engine_timeout_s: float = 120.0, max_restarts: int = 0, restart_backoff_s: float = 2.0,
-                 start_timeout_s: float = 900.0, drain_timeout_s: float = 300.0):
+                 start_timeout_s: float = 900.0, drain_timeout_s: float = 300.0, stream_reader: str = "process"):
         self.servers = [Server(i, u.rstrip("/"), (processes or [None] * len(urls))[i]) for i, u in enumerate(urls)]
         self.tokenizer = tokenizer
         self.device_type = device_type
@@ -91,6 +93,12 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
         self._thread.start()
         self._session = self._run(self._open())
         self._watchers = [asyncio.run_coroutine_threadsafe(self._watch(s), self._loop) for s in self.servers]
+        self._streams = None  # the child reading the generation streams (rollout.stream_reader=process)
+        self._streams_lost = None
+        if stream_reader == "process":
+            from pace.rollout.streams import StreamReader
+
+            self._streams = StreamReader(self._on_streamed, KEEPALIVE_S)
 
     # --- the event loop -----------------------------------------------------------------------
     def _run(self, coro, timeout: float | None = 60.0):
@@ -143,6 +151,13 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
             server.last_output = time.monotonic()  # an idle server's silence is not a stall
         self._owner[request_id] = (i, self._serial)
         self._load[i] += 1
+        if stream and self._streams is not None:
+            from pace.rollout.streams import StreamHandle
+
+            key = (request_id, self._serial)
+            self._streams.add(key, i, server.url + GENERATE, body)
+            self._futures[request_id] = StreamHandle(self._streams, key)
+            return
         self._futures[request_id] = asyncio.run_coroutine_threadsafe(
             self._request(server, request_id, self._serial, body, stream), self._loop)
 
@@ -188,6 +203,37 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
         except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
             self._fail(server, f"a response stream broke ({type(exc).__name__}: {str(exc)[:200]})")
 
+    def _on_streamed(self, batch: list | None) -> None:
+        """What the stream reader's child read (its receiving thread): chunks become outputs for
+        `step`, a broken stream fails its server as one read here does, a refusal is raised."""
+        from pace.rollout.streams import CHUNK, FAIL, unpack
+
+        if batch is None:  # the child is gone: every streamed request with it
+            if not self._closing:
+                self._streams_lost = EngineFailed("the process reading the rollout servers' streams exited "
+                                                  f"(code {self._streams.process.exitcode})")
+                self._out.put(None)
+            return
+        now, outputs = time.monotonic(), []
+        for kind, (rid, serial), i, *rest in batch:
+            server = self.servers[i]
+            if kind == CHUNK:
+                index, ids, lps, text, finish, stop, spans, routes = rest
+                ids, lps = unpack(ids, lps)
+                comp = completion(index, ids, None if lps is None else flat_logprobs(ids, lps), text, finish, stop,
+                                  spans, routes)
+                server.last_output = now
+                outputs.append((i, serial, Output(rid, [comp], finish is not None)))
+            elif self._owner.get(rid) != (i, serial):
+                continue  # a stream aborted here or lost with its server: nothing to report
+            elif kind == FAIL:
+                self._fail(server, rest[0])
+            else:
+                self._refused.append(RequestRefused(f"rollout engine {i} ({server.url}) refused request {rid}: {rest[0]}"))
+                self._out.put(None)
+        if outputs:
+            self._out.put(outputs)
+
     def abort_request(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             owner = self._owner.pop(rid, None)
@@ -210,6 +256,8 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
         """What the servers delivered since the last call (waiting up to ``timeout`` for the first)."""
         if self._refused:
             raise self._refused[0]
+        if self._streams_lost is not None:
+            raise self._streams_lost
         items = []
         try:
             items.append(self._out.get(timeout=timeout))
@@ -218,7 +266,7 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
         except queue.Empty:
             pass
         outputs = []
-        for item in items:
+        for item in [x for it in items for x in (it if isinstance(it, list) else [it])]:  # the reader's: lists
             if item is None:  # a wake-up (a failure or a refusal)
                 continue
             i, serial, out = item
@@ -325,6 +373,8 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
                     self._post(s, "/resume", timeout=5)
                 except Exception:  # noqa: BLE001 - best effort: the server is not ours
                     pass
+        if self._streams is not None:
+            self._streams.close()
         try:
             self._run(self._close(), timeout=5)
         except Exception:  # noqa: BLE001
@@ -351,7 +401,7 @@ def build(model_path: str, cfg, placement: Placement, tokenizer, log_dir: str | 
         r = cfg.rollout
         restarts = r.max_engine_restarts if r.on_engine_failure == "continue" else 0  # stop: the run ends
         fleet = RemoteFleet(urls, tokenizer, placement.device, processes, r.engine_timeout_s, restarts,
-                            r.restart_backoff_s, r.server_start_timeout_s, r.drain_timeout_s)
+                            r.restart_backoff_s, r.server_start_timeout_s, r.drain_timeout_s, r.stream_reader)
     except BaseException:
         for p in processes or []:
             p.kill()
