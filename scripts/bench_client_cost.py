@@ -149,7 +149,14 @@ def build_fleet(path: str, args, cfg, base_engine, tokenizer):
     urls, procs = client_feed.start_servers(args.engines, None, args.max_running, cores=args.feed_cores)
     # the streams read in a child (rollout.stream_reader=process) or on this process's loop (thread; code
     # from before the key knows no other)
-    fleet = RemoteFleet(urls, tokenizer, "cpu", None, **({"stream_reader": args.stream_reader} if args.stream_reader != "thread" else {}))
+    import inspect
+
+    if "stream_reader" in inspect.signature(RemoteFleet).parameters:
+        fleet = RemoteFleet(urls, tokenizer, "cpu", None, stream_reader=args.stream_reader)
+    elif args.stream_reader == "thread":
+        fleet = RemoteFleet(urls, tokenizer, "cpu", None)
+    else:
+        raise SystemExit("--stream-reader process: this code's RemoteFleet reads its streams on its own loop only")
     reader = getattr(fleet, "_streams", None)
     if reader is not None and args.feed_cores:
         os.sched_setaffinity(reader.process.pid, args.feed_cores)  # off rank 0's core, as on a GPU node's

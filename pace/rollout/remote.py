@@ -206,14 +206,24 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
     def _on_streamed(self, batch: list | None) -> None:
         """What the stream reader's child read (its receiving thread): chunks become outputs for
         `step`, a broken stream fails its server as one read here does, a refusal is raised."""
-        from pace.rollout.streams import CHUNK, FAIL, unpack
-
-        if batch is None:  # the child is gone: every streamed request with it
+        if batch is None or isinstance(batch, BaseException):  # the child is gone, or what it sent is unreadable
             if not self._closing:
-                self._streams_lost = EngineFailed("the process reading the rollout servers' streams exited "
-                                                  f"(code {self._streams.process.exitcode})")
+                self._streams_lost = EngineFailed(
+                    "the process reading the rollout servers' streams exited "
+                    f"(code {self._streams.process.exitcode})" if batch is None else
+                    f"a message of the process reading the rollout servers' streams could not be read: {batch!r}")
                 self._out.put(None)
             return
+        try:
+            self._take_streamed(batch)
+        except Exception as exc:  # noqa: BLE001 - raised by the rollout thread's next step, not lost with this thread
+            self._streams_lost = EngineFailed(f"a streamed chunk could not be read: {exc!r}")
+            self._out.put(None)
+            raise
+
+    def _take_streamed(self, batch: list) -> None:
+        from pace.rollout.streams import CHUNK, FAIL, unpack
+
         now, outputs = time.monotonic(), []
         for kind, (rid, serial), i, *rest in batch:
             server = self.servers[i]
@@ -227,6 +237,9 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
             elif self._owner.get(rid) != (i, serial):
                 continue  # a stream aborted here or lost with its server: nothing to report
             elif kind == FAIL:
+                if outputs:  # what the stream delivered before it broke comes first
+                    self._out.put(outputs)
+                    outputs = []
                 self._fail(server, rest[0])
             else:
                 self._refused.append(RequestRefused(f"rollout engine {i} ({server.url}) refused request {rid}: {rest[0]}"))

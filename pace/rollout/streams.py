@@ -13,7 +13,8 @@ What stays in rank 0: which server holds which request, the health checks, failu
 (pace/rollout/remote.py, healing.py), and the requests answered whole (validation, scoring). The
 child only reads: a stream that breaks or answers a server error is reported (`FAIL`), one
 refused (HTTP 4xx) too (`REFUSED`), and rank 0 decides as it does for its own streams. The child
-ends when rank 0 closes its pipe or asks it to (`stop`), and with rank 0's process (a daemon).
+ends when rank 0 asks it to (`stop`) or its pipe closes (rank 0's process gone); at rank 0's exit
+without a shutdown it is killed (it ignores SIGTERM in a run: pace/signals.py).
 
 Messages, rank 0 → child: ``("add", key, server, url, body)``, ``("abort", key)``, ``("stop",)``;
 child → rank 0, pickled lists of ``(CHUNK, key, server, index, ids, logprobs, text, finish_reason,
@@ -144,7 +145,7 @@ class _Reader:
                 raise ConnectionError(f"the stream of {key[0]} ended before its end")
         except asyncio.CancelledError:
             raise
-        except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a stream that broke or could not be read, reported either way
             self.batch.append((FAIL, key, server, f"a response stream broke ({type(exc).__name__}: {str(exc)[:200]})"))
             self._flush()
         finally:
@@ -158,6 +159,7 @@ class StreamReader:
     pipe, the GIL released); ``deliver(None)`` once if the child is gone."""
 
     def __init__(self, deliver, keepalive_s: float):
+        import atexit
         import multiprocessing as mp
         import threading
 
@@ -173,6 +175,9 @@ class StreamReader:
         self._closed = False
         self._thread = threading.Thread(target=self._receive, name="pace-streams", daemon=True)
         self._thread.start()
+        # killed at exit before multiprocessing's own handler joins it (deaf to its SIGTERM in a run), in case
+        # it cannot see its pipe close (blocked on a full one)
+        atexit.register(self._kill)
 
     def _send(self, msg) -> None:
         with self._lock:
@@ -194,20 +199,41 @@ class StreamReader:
                 batch = pickle.loads(self._results.recv_bytes())
             except (EOFError, OSError):
                 if not self._closed:
+                    self.process.join(1.0)  # its exit code, for the message
                     self._deliver(None)
+                return
+            except Exception as exc:  # noqa: BLE001 - a message it could not read: nothing after it is sure
+                self._deliver(exc)
                 return
             self._deliver(batch)
 
     def close(self, timeout: float = 5.0) -> None:
-        self._send(("stop",))
-        with self._lock:
-            self._closed = True
+        """Ask the child to stop; kill it if it has not within ``timeout`` s (a sender blocked on a
+        full pipe included)."""
+        if self._lock.acquire(timeout=1.0):
+            try:
+                if not self._closed:
+                    self._commands.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            finally:
+                self._closed = True
+                self._lock.release()
+        self._closed = True
         self.process.join(timeout)
+        self._kill()
+        self._thread.join(timeout)
+        self._results.close()
+        import atexit
+
+        atexit.unregister(self._kill)
+
+    def _kill(self) -> None:
+        self._closed = True
         if self.process.is_alive():
             self.process.kill()
-            self.process.join(timeout)
+            self.process.join(5.0)
         self._commands.close()
-        self._thread.join(timeout)
 
 
 class StreamHandle:

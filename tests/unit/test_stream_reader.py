@@ -179,3 +179,4 @@ def test_an_abort_closes_the_stream_and_a_dead_reader_stops_the_run(stand_in):
             _until(fleet, lambda outs: False)
     finally:
         fleet.shutdown()
+
