@@ -156,7 +156,8 @@ class _Reader:
 class StreamReader:
     """Rank 0's end: starts the child (spawned: rank 0 holds CUDA and threads), sends it requests
     and aborts, and hands each batch it reads to ``deliver`` on a thread of its own (blocked in the
-    pipe, the GIL released); ``deliver(None)`` once if the child is gone."""
+    pipe, the GIL released); ``deliver(None)`` once if the child is gone, ``deliver(exc)`` if a
+    message could not be read (the thread ends either way)."""
 
     def __init__(self, deliver, keepalive_s: float):
         import atexit
