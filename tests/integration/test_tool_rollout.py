@@ -258,13 +258,11 @@ def test_a_stop_between_and_within_tool_turns_is_continued_after_a_restart(llm):
                 if t.completed_at < 0 and i not in p.tool_wait
                 and "<code>" in tok.decode(t.response_ids[p.code_from.get(i, 0):].tolist())}
 
-    for _ in range(60):  # on until a program is being written, keeping one response mid-turn; no call collected
-        if writing_now() or len(mid_turn_now()) <= 1:
-            break
-        first._consume(first.fleet.step())
+    # Stopped here, in the state reached. (Stepping on until a program was being written lost every
+    # response mid-turn at times: four continued after their calls all finished at one step, CI failed so.)
     first._abort_all()
     first.tools.close()
-    if not writing_now():  # none stopped mid-program this time: stop one a few tokens earlier, before its </code>
+    if not writing_now():  # none stopped mid-program: stop a waiting one a few tokens earlier, before its </code>
         p, i = next((p, i) for p in first._pending.values() for i in p.tool_wait)
         t = p.responses[i]
         while "</code>" in tok.decode(t.response_ids[p.code_from.get(i, 0):].tolist()):
