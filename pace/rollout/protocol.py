@@ -59,6 +59,20 @@ class Output:
     engine: int | None = None  # the index of the server that produced it (set by RemoteFleet.step)
 
 
+def sse_payloads(buf: bytes) -> tuple[list[bytes], bytes]:
+    """The payloads of the complete server-sent events in ``buf`` (a streamed response's bytes so
+    far), and what is left of it."""
+    payloads = []
+    while b"\n\n" in buf:
+        event, buf = buf.split(b"\n\n", 1)
+        event = event.strip()
+        if event.startswith(b"data:"):
+            payload = event[len(b"data:"):].strip()
+            if payload:
+                payloads.append(payload)
+    return payloads, buf
+
+
 def completion_from(choice: dict) -> Completion:
     ids = choice.get("token_ids") or []
     content = (choice.get("logprobs") or {}).get("content")

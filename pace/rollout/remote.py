@@ -41,7 +41,8 @@ from pace.rollout import request_ids
 from pace.rollout.fleet import Fleet
 from pace.rollout.healing import HealingMixin
 from pace.rollout.remote_weights import RemoteWeightsMixin
-from pace.rollout.protocol import GENERATE, Output, completion, completion_from, flat_logprobs, params_json, prompt_logprobs_from
+from pace.rollout.protocol import (GENERATE, Output, completion, completion_from, flat_logprobs, params_json,
+                                   prompt_logprobs_from, sse_payloads)
 from pace.rollout.server_state import DEAD, DRAINING, SERVING, WATCHED, EngineFailure, Server, world_size
 
 HEALTH_INTERVAL_S = 1.0
@@ -179,12 +180,8 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
                     return
                 buf = b""
                 async for chunk in resp.content.iter_any():
-                    buf += chunk
-                    while b"\n\n" in buf:
-                        event, buf = buf.split(b"\n\n", 1)
-                        payload = event.strip()[len(b"data:"):].strip() if event.strip().startswith(b"data:") else b""
-                        if not payload:
-                            continue
+                    payloads, buf = sse_payloads(buf + chunk)
+                    for payload in payloads:
                         if payload == b"[DONE]":
                             return
                         data = json.loads(payload)

@@ -32,19 +32,6 @@ CHUNK, FAIL, REFUSED = 0, 1, 2
 FLUSH_S = 0.002  # a batch of chunks goes to rank 0 this often (and on a request's last chunk)
 
 
-def events(buf: bytes) -> tuple[list[bytes], bytes]:
-    """The complete server-sent events' payloads in ``buf`` and what is left of it."""
-    payloads = []
-    while b"\n\n" in buf:
-        event, buf = buf.split(b"\n\n", 1)
-        event = event.strip()
-        if event.startswith(b"data:"):
-            payload = event[len(b"data:"):].strip()
-            if payload:
-                payloads.append(payload)
-    return payloads, buf
-
-
 def packed_chunks(data: dict, key, server: int) -> list[tuple]:
     """One generate-route event's choices as `CHUNK` messages: token ids (int32) and sampled-token
     log-probs (float64) packed, the rest as the server sent it."""
@@ -120,7 +107,7 @@ class _Reader:
                 self.done.set()
 
     async def _read(self, key, server: int, url: str, body: dict) -> None:
-        import aiohttp
+        from pace.rollout.protocol import sse_payloads
 
         try:
             async with self.session.post(url, json=body) as resp:
@@ -131,7 +118,7 @@ class _Reader:
                     return
                 buf = b""
                 async for data in resp.content.iter_any():
-                    payloads, buf = events(buf + data)
+                    payloads, buf = sse_payloads(buf + data)
                     for payload in payloads:
                         if payload == b"[DONE]":
                             return
