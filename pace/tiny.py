@@ -15,6 +15,7 @@ The directory is a plain Hugging Face checkpoint (float32 safetensors + tokenize
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -100,13 +101,31 @@ def build_tiny(spec: TinySpec, cache_dir: str | Path, progress: bool = True) -> 
     """Return the directory of the model ``spec`` describes, building it on the first call.
 
     The build writes into a temporary sibling directory and renames it into place, so a
-    crash never leaves a half-built cache, and a concurrent builder's result is kept.
+    crash never leaves a half-built cache. Builders of one spec take turns on a lock file beside
+    it (the ranks of a launch, parallel test workers): one builds, the others wait and load its
+    result.
     """
     cache_dir = Path(cache_dir)
     target = cache_dir / f"tiny-{spec.key()}"
     if (target / "meta.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    lock = os.open(cache_dir / f".{target.name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)  # read: any user's
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build of %s", target)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "meta.json").exists():
+            _build_into(spec, target, progress)
+    finally:
+        os.close(lock)  # releases the lock
+    return target
+
+
+def _build_into(spec: TinySpec, target: Path, progress: bool) -> None:
+    cache_dir = target.parent
     log.info("building tiny model (SFT %d steps) into %s", spec.sft_steps, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
     try:
@@ -115,12 +134,11 @@ def build_tiny(spec: TinySpec, cache_dir: str | Path, progress: bool = True) -> 
             path.chmod(0o755 if path.is_dir() else 0o644)
         try:
             os.rename(tmp, target)
-        except OSError:  # someone else finished first: theirs is as good as ours
+        except OSError:  # a builder that took no lock (an older checkout) finished first: theirs is as good
             if not (target / "meta.json").exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _build(spec: TinySpec, out: Path, progress: bool) -> None:

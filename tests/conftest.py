@@ -121,6 +121,29 @@ def study(tiny_model_path, tmp_path_factory):
 
 TIERS = ("unit", "integration")
 
+# Parallel runs (`-n 2 --dist loadgroup`, the README's command; pytest-xdist): each test file is one unit
+# of work that one worker runs whole (its module fixtures are built once), except the files that share a
+# session fixture, which go to one worker together. Units go out in this order, the longest (serial
+# seconds on 2 cores) first, then the other integration files, then the unit tests, which fill the end:
+# the two tiny models' builds start at once, one on each worker.
+SHARED = {
+    "tool": ("test_tool_rollout.py", "test_tool_train.py"),  # tiny_tool_model_path: a 6.5-min build
+    "runs": ("test_analysis_runs.py", "test_train_e2e.py", "test_record_effective_run.py",  # study,
+             "test_resume.py"),                                                              # async_run, sync_run
+}
+FIRST = ("tool", "runs", "test_multiprocess.py", "test_remote.py", "test_delta_sync.py", "test_engine_rollout.py",
+         "test_grader_processes.py", "test_engine_build.py", "test_stale_engine.py")
+
+
+def _unit_of_work(item) -> str:
+    name = Path(item.path).name
+    return next((group for group, files in SHARED.items() if name in files), name)
+
+
+def pytest_configure(config):
+    if config.getoption("dist", "no") == "loadgroup":
+        config.option.loadscopereorder = False  # keep the order below (xdist sorts by test count otherwise)
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
@@ -139,3 +162,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier)
     if refused:
         raise pytest.UsageError("tests outside their tier (see docs/tests.md):\n" + "\n".join(refused))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_unit_of_work(item)))
+        rank = {unit: i for i, unit in enumerate(FIRST)}
+        items.sort(key=lambda item: (rank.get(_unit_of_work(item), len(FIRST)),
+                                     Path(item.path).relative_to(ROOT / "tests").parts[0] == "unit"))

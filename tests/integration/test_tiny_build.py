@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -87,4 +88,30 @@ def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(pace.tiny, "_measure", crash)  # after SFT, before anything is saved
     with pytest.raises(RuntimeError, match="mid-build"):
         build_tiny(replace(SPEC, sft_steps=2), tmp_path, progress=False)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [f".tiny-{replace(SPEC, sft_steps=2).key()}.lock"]  # the lock only
+
+
+def test_concurrent_builders_of_one_spec_build_it_once(tmp_path, monkeypatch, caplog) -> None:
+    """Two builders at once (the ranks of a launch, two test workers): one builds, the other waits
+    on the lock file and returns the same directory without building."""
+    import pace.tiny
+
+    spec, builds, real = replace(SPEC, sft_steps=4), [], pace.tiny._build_into
+
+    def counted(*args):
+        builds.append(threading.current_thread().name)
+        time.sleep(0.5)  # the other builder arrives while this one holds the lock
+        return real(*args)
+
+    monkeypatch.setattr(pace.tiny, "_build_into", counted)
+    paths = {}
+    threads = [threading.Thread(target=lambda i=i: paths.setdefault(i, build_tiny(spec, tmp_path, progress=False)),
+                                name=f"builder{i}") for i in range(2)]
+    with caplog.at_level("INFO", logger="pace.tiny"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert len(builds) == 1, builds
+    assert paths[0] == paths[1] == tmp_path / f"tiny-{spec.key()}" and (paths[0] / "meta.json").exists()
+    assert "waiting for another process's build" in caplog.text
