@@ -225,7 +225,7 @@ def _fleetctl(*args) -> str:
 
 def test_a_server_joins_a_running_job_and_drains_out(servers, tmp_path):
     """A run on the module's first server; the second joins by the documented command once the run is
-    going: it is caught up at the first update after it answers and serves from there (its first step
+    going: it is caught up at the first update that starts after it answers and serves from there (its first step
     at the float floor), then drains out at the next update with nothing dropped, left running and
     resumed (a URL server is not the run's). (Before the stop test, which kills the second server.)"""
     urls = [s.url for s in servers]
@@ -246,7 +246,9 @@ def test_a_server_joins_a_running_job_and_drains_out(servers, tmp_path):
     assert proc.returncode == 0, err[-4000:]
     ready = re.search(r"rollout engine 1 \(.*\) answers at θ_(\d+): it joins", err)
     caught_up = re.search(r"rollout engine 1 \(.*\) serves again: caught up with θ_(\d+)", err)
-    assert ready and caught_up and int(caught_up.group(1)) <= int(ready.group(1)) + 1, err[-3000:]  # sync_every=1
+    # sync_every=1: caught up at the first update that starts after it answers, θ_{v+1}; or θ_{v+2} when it
+    # answered while the update to θ_{v+1} was under way (past its admission; seen with the cores shared)
+    assert ready and caught_up and int(caught_up.group(1)) <= int(ready.group(1)) + 2, err[-3000:]
     assert "rollout engine 1 (" in err and "draining" in err and "left the fleet" in err, err[-3000:]
     summary, metrics, groups = _read(tmp_path)
     assert (summary["status"], summary["steps"]) == ("finished", 40)

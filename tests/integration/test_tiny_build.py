@@ -34,7 +34,7 @@ def test_build_writes_a_loadable_checkpoint(built) -> None:
 
     cache, path = built
     assert path == cache / f"tiny-{SPEC.key()}"
-    assert [p.name for p in cache.iterdir()] == [path.name]  # no temp directory left behind
+    assert sorted(p.name for p in cache.iterdir()) == [f".{path.name}.lock", path.name]  # no temp directory left behind
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "meta.json"} <= names
 
