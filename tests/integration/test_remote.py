@@ -70,22 +70,25 @@ def _server_logprobs(url: str, ids: list[int]) -> list[float]:
     return [out["prompt_logprobs"][t][str(ids[t])]["logprob"] for t in range(1, len(ids))]
 
 
-@pytest.mark.parametrize("preset", ["async_tiny", "pace_tiny"])
-def test_a_run_on_two_servers(preset, servers, tiny_model_path, tmp_path):
-    """5 steps on two servers: exact per-token versions (the servers' own labels, Lemma 1 on every
+@pytest.mark.parametrize("preset, steps, sync_every", [("async_tiny", 5, 1), ("pace_tiny", 8, 2)])
+def test_a_run_on_two_servers(preset, steps, sync_every, servers, tiny_model_path, tmp_path):
+    """A short run on two servers: exact per-token versions (the servers' own labels, Lemma 1 on every
     logged group), the fates add up, each server's weight syncs timed; after the run both servers
     hold the trainer's final weights (their log-probs are the checkpoint's). The PACE run has the
-    servers prefill their requests in flight again at each update (rollout.kv_on_update=recompute)."""
+    servers prefill their requests in flight again at each update (rollout.kv_on_update=recompute);
+    its steps take ~0.5 s, and a stale-KV probe that has not returned when the next update comes is
+    dropped (all 133 of one run, with the cores shared): it updates every 2 steps, 4 times."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     urls = [s.url for s in servers]
     kv = "recompute" if preset == "pace_tiny" else "keep"  # the servers preempt their requests at each update
-    proc = run_train([f"+exp={preset}", *SMALL, "trainer.steps=5", f"rollout.servers=[{','.join(urls)}]", "trainer.save_every=5",
-                      f"rollout.kv_on_update={kv}", "rollout.kv_probe=1.0"], tmp_path)
+    proc = run_train([f"+exp={preset}", *SMALL, f"trainer.steps={steps}", f"rollout.servers=[{','.join(urls)}]",
+                      f"trainer.save_every={steps}", f"rollout.sync_every={sync_every}", f"rollout.kv_on_update={kv}",
+                      "rollout.kv_probe=1.0"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary, metrics, groups = _read(tmp_path)
-    assert (summary["status"], summary["steps"], summary["engine_process"]) == ("finished", 5, "server")
+    assert (summary["status"], summary["steps"], summary["engine_process"]) == ("finished", steps, "server")
     check_staleness(groups, kv=kv)  # versions from the servers' weight_versions (the last chunk of each stream)
     assert (sum(m["rollout/reprefill_tokens"] for m in metrics) > 0) == (kv == "recompute")
     # the probe: tokens generated after an update within one request, against a fresh prefill under
