@@ -110,18 +110,38 @@ def build_tiny(spec: TinySpec, cache_dir: str | Path, progress: bool = True) -> 
     if (target / "meta.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    lock = os.open(cache_dir / f".{target.name}.lock", os.O_RDONLY | os.O_CREAT, 0o644)  # read: any user's
+    lock = _lock(cache_dir / f".{target.name}.lock")
     try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process's build of %s", target)
-            fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "meta.json").exists():
             _build_into(spec, target, progress)
     finally:
-        os.close(lock)  # releases the lock
+        if lock is not None:
+            os.close(lock)  # releases the lock
     return target
+
+
+def _lock(path: Path) -> int | None:
+    """An exclusive flock on ``path`` (created), waited for; its descriptor, or None where the file
+    system has no flock (Lustre without -o flock, ...): then builders may race, and the rename keeps one."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # NFS's flock needs a writable descriptor
+        try:
+            os.fchmod(fd, 0o644)  # readable by the other users of a shared cache, whatever the umask
+        except OSError:
+            pass  # another user's file
+    except PermissionError:  # another user's lock file
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build of %s", path.name[1:-len(".lock")])
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as exc:
+        os.close(fd)
+        log.warning("no lock on %s (%s): building without one", path, exc)
+        return None
+    return fd
 
 
 def _build_into(spec: TinySpec, target: Path, progress: bool) -> None:
@@ -134,7 +154,7 @@ def _build_into(spec: TinySpec, target: Path, progress: bool) -> None:
             path.chmod(0o755 if path.is_dir() else 0o644)
         try:
             os.rename(tmp, target)
-        except OSError:  # a builder that took no lock (an older checkout) finished first: theirs is as good
+        except OSError:  # a builder without the lock (no flock here, an older checkout) finished first: theirs is as good
             if not (target / "meta.json").exists():
                 raise
     finally:

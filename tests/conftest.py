@@ -13,8 +13,14 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest
+from hypothesis import settings
 
 from tests.helpers import ROOT
+
+# No per-example deadline (Hypothesis's default is 200 ms): these properties are about values, and on two
+# workers with the cores shared an example's time says nothing.
+settings.register_profile("pace", deadline=None)
+settings.load_profile("pace")
 
 
 @pytest.fixture(scope="session")
@@ -122,22 +128,31 @@ def study(tiny_model_path, tmp_path_factory):
 TIERS = ("unit", "integration")
 
 # Parallel runs (`-n 2 --dist loadgroup`, the README's command; pytest-xdist): each test file is one unit
-# of work that one worker runs whole (its module fixtures are built once), except the files that share a
-# session fixture, which go to one worker together. Units go out in this order, the longest (serial
-# seconds on 2 cores) first, then the other integration files, then the unit tests, which fill the end:
-# the two tiny models' builds start at once, one on each worker.
-SHARED = {
-    "tool": ("test_tool_rollout.py", "test_tool_train.py"),  # tiny_tool_model_path: a 6.5-min build
-    "runs": ("test_analysis_runs.py", "test_train_e2e.py", "test_record_effective_run.py",  # study,
-             "test_resume.py"),                                                              # async_run, sync_run
-}
-FIRST = ("tool", "runs", "test_multiprocess.py", "test_remote.py", "test_delta_sync.py", "test_engine_rollout.py",
-         "test_grader_processes.py", "test_engine_build.py", "test_stale_engine.py")
+# of work that one worker runs whole (its module fixtures are built once), except the files whose tests
+# use one of these session fixtures: they go to one worker together (the fixture is built once). Units go
+# out in FIRST's order, the longest (serial seconds on 2 cores) first, then the other integration files,
+# then the unit tests, which fill the end: the two tiny models' builds start at once, one on each worker.
+SHARED = {"tiny_tool_model_path": "tool",  # a 6.5-min build
+          "study": "runs", "async_run": "runs", "sync_run": "runs"}  # runs that several files read
+FIRST = ("tool", "runs", *(f"integration/test_{name}.py" for name in (
+    "multiprocess", "remote", "delta_sync", "engine_rollout", "grader_processes", "engine_build", "stale_engine")))
 
 
-def _unit_of_work(item) -> str:
-    name = Path(item.path).name
-    return next((group for group, files in SHARED.items() if name in files), name)
+def _units_of_work(items) -> dict:
+    """Each test file's unit of work: its path under tests/, or the group of the shared session fixtures
+    its tests use."""
+    groups = {}
+    for item in items:
+        path = str(Path(item.path).relative_to(ROOT / "tests"))
+        groups.setdefault(path, set()).update(SHARED[f] for f in getattr(item, "fixturenames", ()) if f in SHARED)
+    two = [f"  {path}: {' and '.join(sorted(g))}" for path, g in groups.items() if len(g) > 1]
+    if two:
+        raise pytest.UsageError("a test file uses the session fixtures of two groups (tests/conftest.py SHARED):\n"
+                                + "\n".join(two))
+    unknown = [name for name in FIRST if name not in SHARED.values() and not (ROOT / "tests" / name).is_file()]
+    if unknown:
+        raise pytest.UsageError(f"tests/conftest.py FIRST names no test file or group: {unknown}")
+    return {path: next(iter(g)) if g else path for path, g in groups.items()}
 
 
 def pytest_configure(config):
@@ -163,8 +178,10 @@ def pytest_collection_modifyitems(config, items):
     if refused:
         raise pytest.UsageError("tests outside their tier (see docs/tests.md):\n" + "\n".join(refused))
     if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        units = _units_of_work(items)
+        unit = {item: units[str(Path(item.path).relative_to(ROOT / "tests"))] for item in items}
         for item in items:
-            item.add_marker(pytest.mark.xdist_group(_unit_of_work(item)))
-        rank = {unit: i for i, unit in enumerate(FIRST)}
-        items.sort(key=lambda item: (rank.get(_unit_of_work(item), len(FIRST)),
+            item.add_marker(pytest.mark.xdist_group(unit[item]))
+        rank = {name: i for i, name in enumerate(FIRST)}
+        items.sort(key=lambda item: (rank.get(unit[item], len(FIRST)),
                                      Path(item.path).relative_to(ROOT / "tests").parts[0] == "unit"))

@@ -9,6 +9,7 @@ import json
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 
 import pytest
@@ -104,14 +105,25 @@ def test_concurrent_builders_of_one_spec_build_it_once(tmp_path, monkeypatch, ca
         return real(*args)
 
     monkeypatch.setattr(pace.tiny, "_build_into", counted)
-    paths = {}
-    threads = [threading.Thread(target=lambda i=i: paths.setdefault(i, build_tiny(spec, tmp_path, progress=False)),
-                                name=f"builder{i}") for i in range(2)]
-    with caplog.at_level("INFO", logger="pace.tiny"):
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+    with caplog.at_level("INFO", logger="pace.tiny"), ThreadPoolExecutor(2, thread_name_prefix="builder") as pool:
+        futures = [pool.submit(build_tiny, spec, tmp_path, progress=False) for _ in range(2)]
+        paths = [f.result(timeout=120) for f in futures]  # a builder's error raises here
     assert len(builds) == 1, builds
     assert paths[0] == paths[1] == tmp_path / f"tiny-{spec.key()}" and (paths[0] / "meta.json").exists()
     assert "waiting for another process's build" in caplog.text
+
+
+def test_a_file_system_without_flock_builds_without_the_lock(tmp_path, monkeypatch, caplog) -> None:
+    """Lustre without -o flock (ENOSYS), an NFS that refuses it: the build goes on, unlocked, and says so."""
+    import errno
+
+    import pace.tiny
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(pace.tiny.fcntl, "flock", no_flock)
+    spec = replace(SPEC, sft_steps=2)
+    with caplog.at_level("WARNING", logger="pace.tiny"):
+        path = build_tiny(spec, tmp_path, progress=False)
+    assert (path / "meta.json").exists() and "building without one" in caplog.text
