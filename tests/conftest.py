@@ -139,12 +139,12 @@ FIRST = ("tool", "runs", *(f"integration/test_{name}.py" for name in (
 
 
 def _units_of_work(items) -> dict:
-    """Each test file's unit of work: its path under tests/, or the group of the shared session fixtures
-    its tests use."""
+    """Each test's unit of work: its file's path under tests/, or the group of the shared session
+    fixtures the file's tests use."""
+    path = {item: str(Path(item.path).relative_to(ROOT / "tests")) for item in items}
     groups = {}
     for item in items:
-        path = str(Path(item.path).relative_to(ROOT / "tests"))
-        groups.setdefault(path, set()).update(SHARED[f] for f in getattr(item, "fixturenames", ()) if f in SHARED)
+        groups.setdefault(path[item], set()).update(SHARED[f] for f in getattr(item, "fixturenames", ()) if f in SHARED)
     two = [f"  {path}: {' and '.join(sorted(g))}" for path, g in groups.items() if len(g) > 1]
     if two:
         raise pytest.UsageError("a test file uses the session fixtures of two groups (tests/conftest.py SHARED):\n"
@@ -152,7 +152,7 @@ def _units_of_work(items) -> dict:
     unknown = [name for name in FIRST if name not in SHARED.values() and not (ROOT / "tests" / name).is_file()]
     if unknown:
         raise pytest.UsageError(f"tests/conftest.py FIRST names no test file or group: {unknown}")
-    return {path: next(iter(g)) if g else path for path, g in groups.items()}
+    return {item: next(iter(groups[path[item]]), path[item]) for item in items}
 
 
 def pytest_configure(config):
@@ -178,10 +178,8 @@ def pytest_collection_modifyitems(config, items):
     if refused:
         raise pytest.UsageError("tests outside their tier (see docs/tests.md):\n" + "\n".join(refused))
     if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
-        units = _units_of_work(items)
-        unit = {item: units[str(Path(item.path).relative_to(ROOT / "tests"))] for item in items}
+        unit = _units_of_work(items)
         for item in items:
             item.add_marker(pytest.mark.xdist_group(unit[item]))
         rank = {name: i for i, name in enumerate(FIRST)}
-        items.sort(key=lambda item: (rank.get(unit[item], len(FIRST)),
-                                     Path(item.path).relative_to(ROOT / "tests").parts[0] == "unit"))
+        items.sort(key=lambda item: (rank.get(unit[item], len(FIRST)), item.get_closest_marker("unit") is not None))
