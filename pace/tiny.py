@@ -149,7 +149,7 @@ def _build_into(spec: TinySpec, target: Path, progress: bool) -> None:
     log.info("building tiny model (SFT %d steps) into %s", spec.sft_steps, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
     try:
-        _build(spec, tmp, progress)
+        (_build_moe if spec.experts else _build)(spec, tmp, progress)
         for path in [tmp, *tmp.iterdir()]:  # mkdtemp (and safetensors) make them private; the cache is shared
             path.chmod(0o755 if path.is_dir() else 0o644)
         try:
@@ -191,6 +191,30 @@ def _build(spec: TinySpec, out: Path, progress: bool) -> None:
             "tokenizers": tokenizers.__version__,
         },
     }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _build_moe(spec: TinySpec, out: Path, progress: bool) -> None:
+    """The dense model of ``spec`` (built first if need be, into the same cache) upcycled into an MoE
+    (pace/tiny_moe.py), checked to compute the dense model's logits."""
+    from pace.tiny_moe import upcycle
+
+    start = time.perf_counter()
+    dense_dir = build_tiny(spec.dense(), out.parent, progress)
+    dense = Qwen3ForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
+    moe = upcycle(dense, spec.experts, spec.experts_per_token, seed=spec.seed)
+    tokenizer = build_tokenizer()
+    ids = tokenizer([p.text for p in make_prompts(spec.task, "val")[:8]], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        shift = (moe(**ids).logits - dense(**ids).logits).abs().max().item()
+    if shift > 1e-4:
+        raise RuntimeError(f"the upcycled tiny MoE does not compute its dense model's logits (max shift {shift:.2e})")
+    moe.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    meta = json.loads((dense_dir / "meta.json").read_text())
+    meta.update(spec=asdict(spec), key=spec.key(), upcycled_from=dense_dir.name, experts=spec.experts,
+                experts_per_token=spec.experts_per_token, logit_shift=shift,
+                n_params=sum(p.numel() for p in moe.parameters()), build_seconds=round(time.perf_counter() - start, 1))
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 

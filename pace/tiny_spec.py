@@ -50,6 +50,10 @@ class TinySpec:
     # high, the rest of the chain consistent with it): sampled slips RL can remove (without them,
     # 700 SFT steps gave a model RL hardly moved).
     error_fraction: float = 0.4
+    # A Qwen3-MoE instead (0: the dense Qwen3): the dense model of the other fields upcycled, every
+    # expert of a layer a copy of its MLP, `experts_per_token` routed per token (pace/tiny_moe.py)
+    experts: int = 0
+    experts_per_token: int = 2
 
     def key(self) -> str:
         fields = asdict(self)
@@ -58,5 +62,13 @@ class TinySpec:
         for name in ("direct_fraction", "error_fraction"):  # knobs added later: earlier caches stay valid
             if not fields[name]:
                 del fields[name]
+        if not self.experts:  # the dense models' keys predate the MoE variant
+            del fields["experts"], fields["experts_per_token"]
         blob = json.dumps({"build_version": BUILD_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def dense(self) -> "TinySpec":
+        """The dense model an MoE spec is upcycled from (itself for a dense spec)."""
+        from dataclasses import replace
+
+        return replace(self, experts=0)
