@@ -98,6 +98,7 @@ class LocalServer:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-c", ENTRY, *args], env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
+        reaper().watch(self.proc.pid)  # its process group goes with this process, however it ends
         self.log_path.with_suffix(".pid").write_text(f"{self.proc.pid}\n")  # its process group, for an operator
 
     def respawn(self) -> "LocalServer":
@@ -156,7 +157,59 @@ class LocalServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        if _REAPER is not None:
+            _REAPER.forget(self.proc.pid)
         self._log.close()
+
+
+class Reaper:
+    """The process groups of the servers this process started, killed when it ends, however it ends.
+
+    A server runs in a session of its own, out of the run's signals (pace/signals.py), and its engine
+    core is its child: a run killed outright (a launcher's SIGKILL at the end of its grace period) would
+    leave both running, holding their GPUs. A small process of its own reads the groups to kill from a
+    pipe this process holds; when the pipe closes (this process exited: nothing else holds its write
+    end) it kills every group still listed. `forget` takes a group off the list once it is killed here
+    (its number may be reused)."""
+
+    CODE = ("import os, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "groups = set()\n"
+            "for line in sys.stdin:\n"
+            "    n = int(line)\n"
+            "    groups.add(n) if n > 0 else groups.discard(-n)\n"
+            "for g in groups:\n"
+            "    try:\n"
+            "        os.killpg(g, signal.SIGKILL)\n"
+            "    except OSError:\n"
+            "        pass\n")
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdin=subprocess.PIPE, start_new_session=True,
+                                     close_fds=True)
+
+    def watch(self, group: int) -> None:
+        self._send(group)
+
+    def forget(self, group: int) -> None:
+        self._send(-group)
+
+    def _send(self, n: int) -> None:
+        try:
+            self.proc.stdin.write(f"{n}\n".encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # the reaper is gone (killed): the run's own shutdown stops them
+            pass
+
+
+_REAPER: Reaper | None = None
+
+
+def reaper() -> Reaper:
+    global _REAPER
+    if _REAPER is None or _REAPER.proc.poll() is not None:
+        _REAPER = Reaper()
+    return _REAPER
 
 
 def tail(path: Path, lines: int = 3) -> str:
