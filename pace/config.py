@@ -150,7 +150,10 @@ class RolloutConfig:
     # as `transfer_address`: 127.0.0.1 when every server is on this host). No authentication: whoever
     # reaches it can add or drain servers (a joining server is sent the weights); 0.0.0.0 on a trusted network only
     control_host: Optional[str] = None
-    engine_timeout_s: float = 120.0  # server mode: no output for this long with requests in flight, or an update call (pause, resume, label, check) this long = failed
+    # server mode: a server with requests in flight that neither delivers output nor makes progress (the
+    # prompt and generation tokens its /metrics count) for this long, or an update call (pause, resume,
+    # label, check) that takes this long, has failed
+    engine_timeout_s: float = 120.0
     # server mode: servers this run starts must answer /health by then; engines built at once on
     # GPUs of their own (child): each build must have spawned its engine core process by then
     server_start_timeout_s: float = 900.0

@@ -19,8 +19,14 @@ the trainer's GIL); `thread` reads them on that loop. A group's requests go to o
 the in-host fleet.
 
 A server that stops answering `/health` (three misses, one second apart), whose process exits,
-whose stream breaks or returns a server error, or that produces nothing for
-`rollout.engine_timeout_s` while it has requests and is not paused, has failed: it is taken out of
+whose stream breaks or returns a server error, or that neither delivers output nor makes progress
+for `rollout.engine_timeout_s` while it has requests and is not paused, has failed. Progress is
+tokens, not completions: a validation request (n = k samples, returned whole) or a response shorter
+than `stream_interval` delivers nothing until it ends, and a busy server may take longer than the
+timeout to end any; so once a server has been silent a while, its engine's own token counters
+(vLLM's `/metrics`: `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`) are read every
+`probe_interval` s, and a server whose counters move is alive. (A server without `/metrics` is
+judged by its output alone, as before.) Then it has failed: it is taken out of
 the fleet and reported once by `take_failures()` with the requests it held (the rollout thread
 decides what to do with them: pace/rollout/failover.py). The weight-transfer group is then formed
 again without it (`needs_regroup`), at the next update. Then it is started again, or re-admitted,
@@ -43,7 +49,8 @@ from pace.rollout.healing import HealingMixin
 from pace.rollout.remote_weights import RemoteWeightsMixin
 from pace.rollout.protocol import (GENERATE, Output, completion, completion_from, flat_logprobs, params_json,
                                    prompt_logprobs_from, sse_payloads)
-from pace.rollout.server_state import DEAD, DRAINING, SERVING, WATCHED, EngineFailure, Server, world_size
+from pace.rollout.server_state import (DEAD, DRAINING, PROBE_EVERY_S, SERVING, WATCHED, EngineFailure, Server, tokens_counted,
+                                       world_size)
 
 HEALTH_INTERVAL_S = 1.0
 HEALTH_MISSES = 3  # consecutive failed /health checks that fail a server
@@ -318,12 +325,42 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
             if misses >= HEALTH_MISSES:
                 self._fail(server, f"/health failed {misses} times in a row")
                 return
-            silent = time.monotonic() - server.last_output
-            if self._load[server.index] > 0 and not server.paused and silent > self.engine_timeout_s \
-                    and server.state in (SERVING, DRAINING):
-                self._fail(server, f"no output for {silent:.0f} s with {self._load[server.index]} requests in flight "
-                                   f"(rollout.engine_timeout_s={self.engine_timeout_s:g})")
-                return
+            if self._load[server.index] > 0 and not server.paused and server.state in (SERVING, DRAINING):
+                await self._probe_progress(server)
+                silent = time.monotonic() - max(server.last_output, server.last_progress)
+                if silent > self.engine_timeout_s:
+                    how = ("its token counters (/metrics) unchanged" if server.tokens is not None
+                           else "no /metrics to read its progress from")
+                    self._fail(server, f"no output and no progress for {silent:.0f} s with {self._load[server.index]} "
+                                       f"requests in flight ({how}; rollout.engine_timeout_s={self.engine_timeout_s:g})")
+                    return
+
+    @property
+    def probe_interval(self) -> float:
+        """How often a silent server's token counters are read: four reads within the timeout."""
+        return min(PROBE_EVERY_S, self.engine_timeout_s / 4)
+
+    async def _probe_progress(self, server: Server) -> None:
+        """A server that has delivered nothing for a `probe_interval`: its token counters read (once an
+        interval); if they moved since the last read, it made progress now. A silence's first read is its
+        baseline: counters that moved before it say nothing about now."""
+        import aiohttp
+
+        now = time.monotonic()
+        if now - server.last_output < self.probe_interval:  # it delivered lately: nothing to read
+            server.tokens = None  # its next silence starts from a baseline read in it
+            return
+        if now - server.probed < self.probe_interval:
+            return
+        server.probed = now
+        try:
+            async with self._session.get(server.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2 * HEALTH_INTERVAL_S)) as r:
+                tokens = tokens_counted(await r.text()) if r.status == 200 else None
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            tokens = None
+        if tokens is not None and server.tokens is not None and tokens > server.tokens:
+            server.last_progress = now
+        server.tokens = tokens
 
     def _fail(self, server: Server, cause: str) -> None:
         """Take ``server`` out of the fleet (any thread); reported by `take_failures`, then started

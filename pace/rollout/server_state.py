@@ -19,6 +19,10 @@ from pace.errors import ConfigError
 SERVING, STARTING, READY, JOINING, DRAINING, DEAD, LEFT = (
     "serving", "starting", "ready", "joining", "draining", "dead", "left")
 WATCHED = (SERVING, READY, JOINING, DRAINING)  # states whose health is checked
+# A server's progress: its engine's token counters (vLLM's /metrics, Prometheus text `name{labels} value`,
+# a line per engine of a data-parallel server), read while it delivers nothing (pace/rollout/remote.py)
+PROGRESS_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+PROBE_EVERY_S = 5.0  # at most this long between two reads of a silent server's counters
 
 
 @dataclass
@@ -39,7 +43,10 @@ class Server:
     state: str = SERVING
     paused: bool = False
     workers: int = 1  # weight-transfer ranks (TP × PP × DP workers)
-    last_output: float = 0.0
+    last_output: float = 0.0  # when it last delivered output (or was resumed, or took its first request)
+    last_progress: float = 0.0  # when its token counters (/metrics) were last seen to move
+    tokens: float | None = None  # its token counters' sum at the last probe (None: not read, or it has none)
+    probed: float = 0.0  # when they were last read
     sync_s: float = 0.0  # seconds in weight-update calls, summed
     restarts: int = 0  # times started again (or re-admitted)
     since: float = 0.0  # when it failed, or was registered: its join time counts from here
@@ -56,6 +63,16 @@ class Server:
     def in_group(self) -> bool:
         """A rank of the weight-transfer group: every weight call goes to it."""
         return self.state in (SERVING, JOINING, DRAINING)
+
+
+def tokens_counted(metrics: str) -> float | None:
+    """The sum of `PROGRESS_COUNTERS` over a Prometheus text page (every engine's), or None if it has none."""
+    total, seen = 0.0, False
+    for line in metrics.splitlines():
+        if line.partition(" ")[0].split("{")[0] in PROGRESS_COUNTERS:
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    return total if seen else None
 
 
 def world_size(url: str, what: str = "rollout.servers") -> int:
