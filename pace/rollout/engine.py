@@ -48,12 +48,15 @@ def configure_environment(rollout_cfg, device: str) -> None:
 
 @contextlib.contextmanager
 def _engine_process_env(mode: str, gpus: list[int] | None, cache_root: str | None = None):
-    """While a child engine process starts: without the launcher's variables, with its GPUs (and
-    ``cache_root`` as its VLLM_CACHE_ROOT if given)."""
+    """While a child engine process starts: without the launcher's variables or the trainer's
+    allocator setting (pace/allocator.py), with its GPUs (and ``cache_root`` as its VLLM_CACHE_ROOT
+    if given)."""
     if mode != "child":
         yield
         return
-    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+    from pace.allocator import engine_excluded
+
+    saved = {k: os.environ.pop(k) for k in (*_LAUNCHER_ENV, *engine_excluded(os.environ)) if k in os.environ}
     if gpus is not None:
         saved["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, saved["CUDA_VISIBLE_DEVICES"])

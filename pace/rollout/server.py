@@ -67,10 +67,13 @@ def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, h
 
 def serve_env(rollout_cfg, device: str, gpus: list[int] | None = None) -> dict[str, str]:
     """The server's environment: this one, with the RL routes on, pace importable, the CPU
-    engine's threads and KV cache as `configure_environment` sets them, and no launcher variables."""
+    engine's threads and KV cache as `configure_environment` sets them, and no launcher variables
+    or trainer allocator setting (pace/allocator.py)."""
+    from pace.allocator import engine_excluded
     from pace.placement import _LAUNCHER_ENV, visible_devices
 
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    excluded = {*_LAUNCHER_ENV, *engine_excluded(os.environ)}
+    env = {k: v for k, v in os.environ.items() if k not in excluded}
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     path = env.get("PYTHONPATH")
