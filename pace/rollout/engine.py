@@ -46,6 +46,23 @@ def configure_environment(rollout_cfg, device: str) -> None:
             os.environ.setdefault("OMP_NUM_THREADS", str(rollout_cfg.cpu_threads))
 
 
+def compile_cache_root(engine: int) -> str | None:
+    """The VLLM_CACHE_ROOT of this run's engine ``engine`` (a child engine or a server): None (vLLM's
+    own, left as it is) for engine 0, `pace-engine-<e>` under it for the others. Each engine compiles
+    (torch.compile, its CUDA graphs) into its cache; started at once, engines sharing one would
+    write the same entries at once (each is rank 0 of data-parallel rank 0 to vLLM). Under vLLM's
+    root, not the run's directory, so the next run finds each engine's cache warm."""
+    if engine == 0:
+        return None
+    import vllm.envs
+
+    # vLLM's root as an engine started now reads it (VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm or
+    # ~/.cache/vllm: vllm/envs.py), from this environment, not `vllm.envs`' cached value (frozen
+    # once an engine core has started in this process)
+    root = vllm.envs.environment_variables["VLLM_CACHE_ROOT"]()
+    return os.path.join(root, f"pace-engine-{engine}")
+
+
 @contextlib.contextmanager
 def _engine_process_env(mode: str, gpus: list[int] | None, cache_root: str | None = None):
     """While a child engine process starts: without the launcher's variables or the trainer's
@@ -169,15 +186,12 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, placement
     from concurrent.futures import wait
 
     import vllm  # imported once here, not by the threads at once
-    import vllm.envs
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    cache_root = vllm.envs.VLLM_CACHE_ROOT
     futures, error = [], None
     try:
         for e, engine_gpus_ in enumerate(gpus):
-            with _engine_process_env("child", engine_gpus_, cache_root=None if e == 0 else
-                                     os.path.join(cache_root, f"pace-engine-{e}")):
+            with _engine_process_env("child", engine_gpus_, cache_root=compile_cache_root(e)):
                 before = _core_processes()
                 futures.append(_in_thread(f"pace-engine-build-{e}", _new_llm, model_path, rollout_cfg, dtype,
                                           seed + e, backend, routes))
