@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pace.placement import _LAUNCHER_ENV, Placement, backend_kind, visible_devices
+from pace.placement import _LAUNCHER_ENV, Placement, backend_kind, compile_cache_root, visible_devices
 
 
 def configure_environment(rollout_cfg, device: str) -> None:
@@ -44,23 +44,6 @@ def configure_environment(rollout_cfg, device: str) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)
         if rollout_cfg.cpu_threads_bind == "nobind":
             os.environ.setdefault("OMP_NUM_THREADS", str(rollout_cfg.cpu_threads))
-
-
-def compile_cache_root(engine: int) -> str | None:
-    """The VLLM_CACHE_ROOT of this run's engine ``engine`` (a child engine or a server): None (vLLM's
-    own, left as it is) for engine 0, `pace-engine-<e>` under it for the others. Each engine compiles
-    (torch.compile, its CUDA graphs) into its cache; started at once, engines sharing one would
-    write the same entries at once (each is rank 0 of data-parallel rank 0 to vLLM). Under vLLM's
-    root, not the run's directory, so the next run finds each engine's cache warm."""
-    if engine == 0:
-        return None
-    import vllm.envs
-
-    # vLLM's root as an engine started now reads it (VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm or
-    # ~/.cache/vllm: vllm/envs.py), from this environment, not `vllm.envs`' cached value (frozen
-    # once an engine core has started in this process)
-    root = vllm.envs.environment_variables["VLLM_CACHE_ROOT"]()
-    return os.path.join(root, f"pace-engine-{engine}")
 
 
 @contextlib.contextmanager

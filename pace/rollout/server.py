@@ -68,12 +68,11 @@ def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, h
 def serve_env(rollout_cfg, device: str, gpus: list[int] | None = None, engine: int = 0) -> dict[str, str]:
     """The environment of the server of engine ``engine``: this one, with the RL routes on, pace
     importable, the CPU engine's threads and KV cache as `configure_environment` sets them, a
-    compile cache of its own (`engine.compile_cache_root`: servers started at once would otherwise
+    compile cache of its own (`placement.compile_cache_root`: servers started at once would otherwise
     all write vLLM's one cache), and no launcher variables or trainer allocator setting
     (pace/allocator.py)."""
     from pace.allocator import engine_excluded
-    from pace.placement import _LAUNCHER_ENV, visible_devices
-    from pace.rollout.engine import compile_cache_root
+    from pace.placement import _LAUNCHER_ENV, compile_cache_root, visible_devices
 
     excluded = {*_LAUNCHER_ENV, *engine_excluded(os.environ)}
     env = {k: v for k, v in os.environ.items() if k not in excluded}
