@@ -76,6 +76,10 @@ def run(cfg: DictConfig) -> None:
     from pace.rollout import engine as engine_lib
 
     engine_lib.configure_environment(cfg.rollout, device)  # before vLLM is imported anywhere
+    from pace import allocator
+    from pace.placement import backend_kind
+
+    allocator.configure_trainer(device, backend_kind(cfg.rollout, device))  # expandable segments: before CUDA starts
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed

@@ -9,6 +9,13 @@ from omegaconf import OmegaConf
 
 from pace.errors import UserError
 
+# what a hub download of `model.path` fetches: config and generation config, weights (safetensors
+# and their index), the tokenizer (tokenizer.json and its config, vocab.json / merges.txt, a
+# SentencePiece *.model) and a chat template shipped as a file of its own (chat_template.jinja, and
+# additional_chat_templates/*.jinja: newer checkpoints keep it out of tokenizer_config.json, and
+# without it the tokenizer has no template)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+
 
 def resolve_device(cfg) -> str:
     import torch
@@ -37,7 +44,7 @@ def resolve_model(cfg, progress: bool) -> str:
     try:  # a hub id: resolve it now so a typo or an offline machine fails here, in one line
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        return snapshot_download(path, allow_patterns=HUB_PATTERNS)
     except Exception as exc:  # noqa: BLE001
         raise UserError(f"model.path: {path!r} is not a local directory and cannot be fetched from the hub ({type(exc).__name__})") from exc
 

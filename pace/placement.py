@@ -1,7 +1,7 @@
 """Where the rollout engines run and how weights reach them, as `rollout` says: the engine process
 (`engine_mode`), the weight-transfer backend (`backend_kind`), each engine's GPUs (`engine_gpus`,
-`visible_devices`), the launcher variables an engine process must not see.
-Functions of the config alone, importable without vLLM.
+`visible_devices`), the launcher variables an engine process must not see, each engine's compile
+cache (`compile_cache_root`). Functions of the config alone, importable without vLLM.
 
 A run computes them once, into a frozen `Placement` handed to the fleet, the weight sync and the
 run summary:
@@ -99,3 +99,20 @@ def visible_devices(gpus: list[int], parent: str | None) -> str:
         raise ValueError(f"rollout.gpus: GPU index {bad[0]} is not among the {len(ids)} visible ones "
                          f"(CUDA_VISIBLE_DEVICES={parent})")
     return ",".join(ids[g] for g in gpus)
+
+
+def compile_cache_root(engine: int) -> str | None:
+    """The VLLM_CACHE_ROOT of this run's engine ``engine`` (a child engine or a server): None (vLLM's
+    own, left as it is) for engine 0, `pace-engine-<e>` under it for the others. Each engine compiles
+    (torch.compile, its CUDA graphs) into its cache; started at once, engines sharing one would
+    write the same entries at once (each is rank 0 of data-parallel rank 0 to vLLM). Under vLLM's
+    root, not the run's directory, so the next run finds each engine's cache warm."""
+    if engine == 0:
+        return None
+    import vllm.envs
+
+    # vLLM's root as an engine started now reads it (VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm or
+    # ~/.cache/vllm: vllm/envs.py), from this environment, not `vllm.envs`' cached value (frozen
+    # once an engine core has started in this process)
+    root = vllm.envs.environment_variables["VLLM_CACHE_ROOT"]()
+    return os.path.join(root, f"pace-engine-{engine}")

@@ -8,7 +8,7 @@ writes two random models to a work folder, each shaped like a preset's model wit
 Qwen3-8B's layers, head and vocabulary (`--layers` of its 36) and a 2-layer Qwen3-30B-A3B (128
 experts, top 8). Then three cases, each in its own process as `train.py` runs — on a GPU under
 `accelerate launch --config_file conf/accelerate/fsdp.yaml --num_processes 1` (Accelerate's FSDP2
-plugin from the yaml, its bf16 mixed precision); on CPU the yaml's plugin is set on Accelerate's state
+plugin from the yaml, its bf16 mixed precision; the trainer's allocator setting, pace/allocator.py); on CPU the yaml's plugin is set on Accelerate's state
 over a gloo group of one (Accelerate picks FSDP only on accelerators), as tests/integration/fsdp_prepare.py:
 
 - ``fsdp``: the 8B-shaped model with the +exp=pace_qwen3_8b trainer settings (`DAPOTrainer`, as
@@ -81,7 +81,10 @@ def run_child(script: Path, args: list[str], tiny: bool, mixed: str, prefix: str
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"))
         cmd = [sys.executable, *args]
-    else:
+    else:  # the trainer's allocator as train.py sets it (expandable segments unless the user set one)
+        from pace.allocator import trainer_env
+
+        env.update(trainer_env(env, "cuda", None))
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_YAML), "--num_processes", "1",
                "--mixed_precision", mixed, *args]
     out, tail = [], []

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pace.placement import _LAUNCHER_ENV, Placement, backend_kind, visible_devices
+from pace.placement import _LAUNCHER_ENV, Placement, backend_kind, compile_cache_root, visible_devices
 
 
 def configure_environment(rollout_cfg, device: str) -> None:
@@ -48,12 +48,15 @@ def configure_environment(rollout_cfg, device: str) -> None:
 
 @contextlib.contextmanager
 def _engine_process_env(mode: str, gpus: list[int] | None, cache_root: str | None = None):
-    """While a child engine process starts: without the launcher's variables, with its GPUs (and
-    ``cache_root`` as its VLLM_CACHE_ROOT if given)."""
+    """While a child engine process starts: without the launcher's variables or the trainer's
+    allocator setting (pace/allocator.py), with its GPUs (and ``cache_root`` as its VLLM_CACHE_ROOT
+    if given)."""
     if mode != "child":
         yield
         return
-    saved = {k: os.environ.pop(k) for k in _LAUNCHER_ENV if k in os.environ}
+    from pace.allocator import engine_excluded
+
+    saved = {k: os.environ.pop(k) for k in (*_LAUNCHER_ENV, *engine_excluded(os.environ)) if k in os.environ}
     if gpus is not None:
         saved["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, saved["CUDA_VISIBLE_DEVICES"])
@@ -166,15 +169,12 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, placement
     from concurrent.futures import wait
 
     import vllm  # imported once here, not by the threads at once
-    import vllm.envs
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    cache_root = vllm.envs.VLLM_CACHE_ROOT
     futures, error = [], None
     try:
         for e, engine_gpus_ in enumerate(gpus):
-            with _engine_process_env("child", engine_gpus_, cache_root=None if e == 0 else
-                                     os.path.join(cache_root, f"pace-engine-{e}")):
+            with _engine_process_env("child", engine_gpus_, cache_root=compile_cache_root(e)):
                 before = _core_processes()
                 futures.append(_in_thread(f"pace-engine-build-{e}", _new_llm, model_path, rollout_cfg, dtype,
                                           seed + e, backend, routes))

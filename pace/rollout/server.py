@@ -65,12 +65,20 @@ def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, h
     return args
 
 
-def serve_env(rollout_cfg, device: str, gpus: list[int] | None = None) -> dict[str, str]:
-    """The server's environment: this one, with the RL routes on, pace importable, the CPU
-    engine's threads and KV cache as `configure_environment` sets them, and no launcher variables."""
-    from pace.placement import _LAUNCHER_ENV, visible_devices
+def serve_env(rollout_cfg, device: str, gpus: list[int] | None = None, engine: int = 0) -> dict[str, str]:
+    """The environment of the server of engine ``engine``: this one, with the RL routes on, pace
+    importable, the CPU engine's threads and KV cache as `configure_environment` sets them, a
+    compile cache of its own (`placement.compile_cache_root`: servers started at once would otherwise
+    all write vLLM's one cache), and no launcher variables or trainer allocator setting
+    (pace/allocator.py)."""
+    from pace.allocator import engine_excluded
+    from pace.placement import _LAUNCHER_ENV, compile_cache_root, visible_devices
 
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    excluded = {*_LAUNCHER_ENV, *engine_excluded(os.environ)}
+    env = {k: v for k, v in os.environ.items() if k not in excluded}
+    cache_root = compile_cache_root(engine)
+    if cache_root is not None:
+        env["VLLM_CACHE_ROOT"] = cache_root
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     path = env.get("PYTHONPATH")
@@ -238,7 +246,7 @@ def launch_local(model_path: str, cfg, placement: Placement, log_dir: Path, tran
             args = serve_args(model_path, r, cfg.model.dtype, cfg.seed + e, port, host="127.0.0.1", backend=backend,
                               routes=cfg.algo.routing_replay)
             gpus = None if placement.gpus is None else list(placement.gpus[e])
-            servers.append(LocalServer(args, serve_env(r, placement.device, gpus),
+            servers.append(LocalServer(args, serve_env(r, placement.device, gpus, e),
                                        Path(log_dir) / f"engine{e}.log", port))
         deadline = time.monotonic() + (timeout_s or r.server_start_timeout_s)
         for s in servers:
@@ -252,7 +260,7 @@ def launch_local(model_path: str, cfg, placement: Placement, log_dir: Path, tran
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m pace.rollout.server [--host H] [--port P] [--engine E] [hydra overrides]`: one
-    rollout server for the run those overrides describe (E: its index, for its seed and GPUs),
+    rollout server for the run those overrides describe (E: its index, for its seed, GPUs and compile cache),
     in the foreground. Prints its command first."""
     import argparse
 
@@ -286,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = [sys.executable, "-c", ENTRY, *serve_args(model, r, cfg.model.dtype, cfg.seed + args.engine, args.port,
                                                     args.host, placement.transfer, cfg.algo.routing_replay)]
     print(" ".join(cmd[3:]), file=sys.stderr, flush=True)
-    env = serve_env(r, placement.device, gpus)
+    env = serve_env(r, placement.device, gpus, args.engine)
     os.execve(sys.executable, cmd, env)
 
 

@@ -6,6 +6,7 @@ and the checks that the engines compute with it.
     update.py       `WeightUpdate`: one update (its version, the backend's update info, the slot lock),
                     what the trainer side hands the rollout thread
     source.py       the trainer's parameters as the engines load them (torch only)
+    streams.py      CUDA work done inside vLLM's side-stream context, done on the default stream
     transfer.py     vLLM weight transfer: the `pace_shm` backend (both sides), the engines' worker
                     extension, the backends' registration; gloo.py: the NCCL protocol over TCP
     reload.py       the engine worker's checked reload (tied head re-processed, incomplete updates fail)

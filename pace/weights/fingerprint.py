@@ -53,19 +53,40 @@ import threading
 import torch
 
 from pace.weights.mismatch import SyncMismatch
+from pace.weights.streams import on_default_stream
 
 P = 32749  # prime below 2^15: |int16 · w| < 2^30 (int32), a chunk's sum < 2^52, a tensor's < 2^63
 A = 40503
 CHUNK = P * 128  # a multiple of P: every chunk has the same weights (~4.2M elements, ~17 MB of int32)
 KEEP = 4  # versions of sent fingerprints kept (an engine found one is named by how far behind it is)
 
-_weights: dict[torch.device, torch.Tensor] = {}
+_weights: dict[torch.device, torch.Tensor] = {}  # w_i for one chunk, by device: made once, kept for the process
+
+
+def prepare(device: torch.device | str) -> None:
+    """Make ``device``'s position weights now (once a process): where the device is known before a
+    sync, so that they are not first made inside a transfer. Both sides call it up front (the
+    trainer's `CastSource` when it is built, the engine's checked reload when an update starts)."""
+    _position_weights(_key(torch.device(device)))
+
+
+def _key(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:  # the key a tensor's own device has
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _position_weights(device: torch.device) -> torch.Tensor:
+    """The cached w_i on ``device``, made on its default CUDA stream and finished before they are
+    used (pace/weights/streams.py). A fingerprint is taken where vLLM's packed NCCL transfer runs
+    our code inside its side-stream context (trainer rank 0's `CastSource`, the engine's loader);
+    weights first made there would be written by kernels queued on one side stream and read by
+    fingerprints queued on another (the next buffer's, or the default stream's at a later sync) with
+    nothing ordering the two: a fingerprint could read them unwritten and judge a good engine stale."""
     w = _weights.get(device)
     if w is None:
-        w = _weights[device] = (torch.arange(CHUNK, dtype=torch.int64, device=device) * A % P + 1).to(torch.int32)
+        w = _weights[device] = on_default_stream(
+            device, lambda: (torch.arange(CHUNK, dtype=torch.int64, device=device) * A % P + 1).to(torch.int32))
     return w
 
 
@@ -121,8 +142,10 @@ class Fingerprints:
     """Fingerprints of one update's tensors by name, as they pass (either side): kept on the
     tensors' device while the update runs, read at once at its end (`prints`)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str | None = None):
         self._sums: dict[str, torch.Tensor] = {}
+        if device is not None:  # the position weights up front, not inside the transfer (`prepare`)
+            prepare(device)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         value = device_fingerprint(tensor)

@@ -168,10 +168,10 @@ class ExactReload:
         self._shared = shared_parameters(model)
         model.__dict__.pop("load_weights", None)  # a wrapper left by an update that never finished
         load, self._loaded = model.load_weights, set()
-        if self.fingerprinting:
+        if self.fingerprinting:  # the position weights made now, not inside the receive (a side stream on nccl)
             from pace.weights.fingerprint import Fingerprints
 
-            self._prints = Fingerprints()
+            self._prints = Fingerprints(getattr(self, "device", None))
 
         def load_weights(weights):  # every backend's receive path loads through it
             names = load(weights if self._prints is None else _fingerprinted(weights, self._prints))

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import torch
 
+from pace.weights.streams import on_default_stream
+
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
@@ -30,7 +32,16 @@ def named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
 
 def engine_tensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``p`` whole, in ``dtype``: the local shard is cast first (the all-gather moves engine-dtype
-    bytes, not fp32), then gathered if sharded (`full_tensor()`, a collective on every rank)."""
-    with torch.no_grad():
-        t = p.detach().to(dtype)
-        return t.full_tensor() if hasattr(t, "full_tensor") else t
+    bytes, not fp32), then gathered if sharded (`full_tensor()`, a collective on every rank).
+
+    On a GPU the cast and the gather run on the default stream and are finished before the tensor
+    is returned (pace/weights/streams.py): vLLM's packed NCCL sender pulls each tensor inside its
+    side-stream context, where trainer rank 0's gather would queue behind the transfer group's
+    broadcasts while ranks ≥ 1 gather with nothing ahead, and with more than 2 trainer ranks the
+    sync hangs. One host sync a parameter. On CPU nothing changes (no CUDA call)."""
+    def whole() -> torch.Tensor:
+        with torch.no_grad():
+            t = p.detach().to(dtype)
+            return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    return on_default_stream(p.device, whole)

@@ -283,13 +283,21 @@ class CastSource(WeightSource):
     """The trainer's parameters as the engine loads them (pace/weights/source.py): names without
     wrapper prefixes, each cast to the engine dtype on the trainer's device (a sharded DTensor keeps
     its sharding) and all-gathered if sharded (`full_tensor()`, a collective on every rank): no fp32
-    on the wire. ``on_sent``: given the fingerprints of every tensor (pace/weights/fingerprint.py) once a
-    pass has made them all, before it yields the last (trainer rank 0: before the engines finish)."""
+    on the wire. On a GPU each is gathered on the default stream and finished before it is yielded,
+    whatever stream the consumer iterates on (vLLM's packed NCCL sender: a side stream). ``on_sent``:
+    given the fingerprints of every tensor (pace/weights/fingerprint.py) once a pass has made them
+    all, before it yields the last (trainer rank 0: before the engines finish); their position
+    weights are made when the source is built, not inside the first pass (the sender's side stream)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, on_sent=None):
         self.model = model
         self.dtype = dtype
         self.on_sent = on_sent
+        if on_sent is not None:
+            from pace.weights import fingerprint
+
+            for device in {p.device for _, p in source.named_parameters(model)}:
+                fingerprint.prepare(device)
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, self.dtype, tuple(p.shape)) for name, p in source.named_parameters(self.model)]

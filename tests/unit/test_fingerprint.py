@@ -166,6 +166,56 @@ def test_the_checked_engine_fingerprints_what_its_loader_received_once_asked():
     assert torch.equal(engine.model.mid.bias, moved["mid.bias"])  # and the list still loaded
 
 
+def _first_use(monkeypatch) -> list:
+    """Whether a device's position weights existed each time a tensor was fingerprinted (none made yet)."""
+    seen, real = [], fp.device_fingerprint
+    monkeypatch.setattr(fp, "_weights", {})
+
+    def spy(t):
+        seen.append(t.device in fp._weights)
+        return real(t)
+
+    monkeypatch.setattr(fp, "device_fingerprint", spy)
+    return seen
+
+
+def test_the_position_weights_are_made_up_front_not_inside_a_transfer(monkeypatch):
+    """Both sides make them before the first tensor passes: the trainer's `CastSource` when it is
+    built, the engine's checked reload when the update starts. On nccl the tensors pass inside vLLM's
+    side-stream context, where weights made then would be written on one side stream and read on
+    another (pace/weights/fingerprint.py `_position_weights`). Before: made at the first tensor."""
+    from pace.weights import reload
+    from pace.weights.transfer import CastSource
+
+    seen = _first_use(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    src = CastSource(model, torch.bfloat16, on_sent=lambda prints: None)
+    assert list(fp._weights) == [torch.device("cpu")]  # at construction, before any pass
+    list(src)
+    assert seen == [True] * 4
+
+    seen = _first_use(monkeypatch)
+    engine = reload.checked(_Engine)(_Toy())
+    engine.device, engine.fingerprinting = torch.device("cpu"), True  # vLLM's engines have the worker's device
+    _update(engine.model, FULL, engine)
+    assert seen == [True] * len(FULL) and engine.fingerprint == {n: fp.tensor_fingerprint(t) for n, t in FULL.items()}
+
+
+def test_the_position_weights_are_made_once_a_device_on_its_default_stream(monkeypatch):
+    """Wherever they are first asked for, they are made through `streams.on_default_stream` (on a GPU:
+    on the default stream, finished before use; tests/unit/test_weight_streams.py), once a device."""
+    from pace.weights import streams
+
+    made, real = [], streams.on_default_stream
+    monkeypatch.setattr(fp, "_weights", {})
+    monkeypatch.setattr(fp, "on_default_stream", lambda device, make: made.append(device) or real(device, make),
+                        raising=False)
+    assert fp.tensor_fingerprint(torch.ones(3, dtype=torch.bfloat16)) == _reference(torch.ones(3, dtype=torch.bfloat16))
+    fp.tensor_fingerprint(torch.ones(5))
+    fp.prepare("cpu")
+    assert made == [torch.device("cpu")]
+
+
 class _Listed(dict):
     def items(self):
         return list(super().items())

@@ -212,3 +212,40 @@ def test_a_server_started_by_hand_takes_its_engines_share_of_the_gpus_and_the_ru
     (cmd, env), = started
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "pace_nccl"}'  # nccl, checked
+
+
+def test_each_server_a_run_starts_compiles_into_a_cache_of_its_own(monkeypatch, tmp_path):
+    """vLLM's compile cache root (VLLM_CACHE_ROOT, vllm/envs.py): servers started at once used to
+    share it. Now server 0 keeps vLLM's root, every other one a directory of its own under it, as
+    the child engines do; a server started by hand as engine E the same."""
+    from types import SimpleNamespace
+
+    from pace.config import RolloutConfig
+    from pace.rollout import server
+
+    envs = []
+
+    class Started:  # a LocalServer that starts nothing
+        def __init__(self, args, env, log_path, port):
+            envs.append(env)
+
+        def wait_ready(self, deadline):
+            pass
+
+    monkeypatch.setattr(server, "LocalServer", Started)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vc"))
+    cfg = SimpleNamespace(rollout=RolloutConfig(engines=3), algo=SimpleNamespace(routing_replay=False),
+                          model=SimpleNamespace(dtype="float32"), seed=0)
+    server.launch_local("m", cfg, Placement("cpu", 1, "server", "gloo", None), tmp_path, transfer=False)
+    assert [env["VLLM_CACHE_ROOT"] for env in envs] == [str(tmp_path / "vc"), str(tmp_path / "vc" / "pace-engine-1"),
+                                                        str(tmp_path / "vc" / "pace-engine-2")]
+    monkeypatch.delenv("VLLM_CACHE_ROOT")  # vLLM's default root: $XDG_CACHE_HOME/vllm
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert server.serve_env(RolloutConfig(), "cuda", [3], engine=2)["VLLM_CACHE_ROOT"] == str(
+        tmp_path / "xdg" / "vllm" / "pace-engine-2")
+    assert "VLLM_CACHE_ROOT" not in server.serve_env(RolloutConfig(), "cuda", [1], engine=0)
+    started = []
+    monkeypatch.setattr(server, "_has_cuda", lambda: False)
+    monkeypatch.setattr(server.os, "execve", lambda exe, cmd, env: started.append(env))
+    server.main(["--engine", "1", "--model", "m", "rollout.engines=2"])
+    assert started[0]["VLLM_CACHE_ROOT"] == str(tmp_path / "xdg" / "vllm" / "pace-engine-1")
