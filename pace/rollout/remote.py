@@ -143,8 +143,10 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
             if group is not None:
                 self._group_engine[group] = i
         ids = prompt.get("prompt_token_ids")
-        if ids is None:  # a text prompt (validation), tokenized as vLLM's engine does it
-            ids = self.tokenizer(prompt["prompt"]).input_ids
+        if ids is None:  # a text prompt, tokenized as vLLM's engine does it (the generate route takes ids only)
+            from pace.tasks.base import engine_token_ids
+
+            ids = engine_token_ids(self.tokenizer, prompt["prompt"])
         stream = params.output_kind == self._delta and params.n == 1  # generation: streamed token by token
         self._serial += 1
         body = {"request_id": request_ids.wire(request_id, self._serial), "token_ids": list(ids),
