@@ -67,6 +67,10 @@ def slurm(tmp_path):
             pass
 
 
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def test_the_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
@@ -78,8 +82,10 @@ def test_the_trainer_gets_the_servers_and_its_address_on_the_route_to_them(slurm
     assert "rollout.servers=[http://localhost:8100,http://localhost:8101]" in args and "rollout.engines=2" in args
     # toward the rollout node (this host, by name): the loopback's address, whatever `hostname -I` lists first
     assert args[-1] == "rollout.transfer_address=127.0.0.1"
-    servers = (log / "servers").read_text().splitlines()
-    assert [s.split()[0] for s in servers] == ["CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=1"]
+    deadline = time.monotonic() + 30  # each server's srun runs in the background: it may record after the script ends
+    while len(servers := _lines(log / "servers")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(s.split()[0] for s in servers) == ["CUDA_VISIBLE_DEVICES=0", "CUDA_VISIBLE_DEVICES=1"]
     rc, err, _, log = slurm(TRANSFER_ADDRESS="10.0.0.7")  # chosen by hand
     assert rc == 0 and (log / "trainer").read_text().splitlines()[-1] == "rollout.transfer_address=10.0.0.7"
 
