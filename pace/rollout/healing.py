@@ -13,10 +13,11 @@ one line; the run goes on with the engines it has).
 
 Growth. `join(url)` registers a server started by hand (scripts/launch_rollout_server.sh with
 `JOIN=`, or `python -m pace.rollout.fleetctl join URL`), probed like a returning one; one on another
-host is refused while the weight-transfer group meets rank 0 on the loopback (`RemoteFleet.transfer_address`). `drain(i)`
-takes no new groups to server i, lets its requests finish (after `rollout.drain_timeout_s` the rest
-move to the others as a failed server's do), and has it leave at the next update: its
-weight-transfer engine released, stopped if this run started it, left running otherwise.
+host is refused while the weight-transfer group meets rank 0 on the loopback
+(`RemoteFleet.transfer_address`). `drain(i)` takes no new groups to server i, lets its requests
+finish (after `rollout.drain_timeout_s` the rest move to the others as a failed server's do), and has
+it leave at the next update: its weight-transfer engine released, stopped if this run started it,
+left running otherwise.
 
 Admission: nothing enters the weight-transfer group between updates. A server ready to join waits
 for the next weight update, where the one group of trainer rank 0 and every engine worker is
