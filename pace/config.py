@@ -158,7 +158,8 @@ class RolloutConfig:
     # GPUs of their own (child): each build must have spawned its engine core process by then
     server_start_timeout_s: float = 900.0
     # server mode, nccl/gloo weight transfer: the address of trainer rank 0 the servers connect to
-    # (null: 127.0.0.1 when every server is on this host, else this host's address toward the first)
+    # (null: 127.0.0.1 when every server is on this host, else this host's address toward the first).
+    # A run on 127.0.0.1 refuses servers of other hosts (fleetctl join): set it to take them
     transfer_address: Optional[str] = None
     # GPU: separate (engines on GPUs of their own: `gpus`, default the ones after the trainer's)
     # or colocate (the engines share rank 0's GPU with the trainer: a single-GPU run).

@@ -136,6 +136,13 @@ class EvalRun:
     cost the engine loop ~15% on 2 cores in round trips to the grading processes. Each job's
     deadline is ``answer_timeout_s`` per answer (the training grader's is per group of G).
 
+    With a ``tokenizer`` a problem goes to the engine as the token ids the engine would make of its
+    text (`engine_token_ids`), asking for routed experts from the end of its prompt
+    (`routed_experts_prompt_start`, as every tool turn does): on an engine that returns them
+    (`algo.routing_replay`), whose every request gets its tokens' routes, a validation request then
+    gets no row for its prompt. vLLM 0.32 has no request field that turns them off: the rows of its
+    samples' tokens still come back, unread (docs/routing-replay.md). Without one, text prompts.
+
     With ``tools`` (a `ToolRunner`: multi-turn tool use, as in training) each of the k samples is
     its own request ``<prefix>-<set>-<i>-<j>``; a turn that stops at ``</code>`` runs its program,
     and ``poll`` appends the output and submits the next turn (``-<turn>`` appended to the id)
@@ -145,9 +152,10 @@ class EvalRun:
 
     def __init__(self, sets: dict[str, list[Prompt]], params, grader, prefix: str = "eval",
                  grade_answers: int = 64, answer_timeout_s: float | None = None, progress: bool = False,
-                 tools=None):
+                 tools=None, tokenizer=None):
         self.sets, self.params, self.grader, self.prefix = sets, params, grader, prefix
         self.tools = tools
+        self.tokenizer = tokenizer  # prompts sent as token ids (see above); None: as text
         self._samples: dict[tuple[str, int], list] = {}  # tools: per problem, k (length, own tokens) or None
         # per sample in progress: prompt, response (with tool output), turn, the model's own tokens
         self._turns: dict[tuple[str, int, int], tuple[list[int], list[int], int, list[int]]] = {}
@@ -187,8 +195,7 @@ class EvalRun:
                     continue
                 rid = request_ids.evaluation(self.prefix, name, i)
                 self._requests[rid] = (name, i)
-                prompt = {"prompt": p.text} if salt is None else {"prompt": p.text, "cache_salt": salt}
-                engine.add_request(rid, prompt, self.params, priority=priority)
+                engine.add_request(rid, *self._request(p.text), priority=priority)
 
     def resubmit(self, engine, request_id: str) -> None:
         """Send a request again as it was first sent (its engine failed: pace/rollout/failover.py)."""
@@ -199,10 +206,25 @@ class EvalRun:
             return
         name, i = key
         self._requests[request_id] = key
-        prompt = {"prompt": self.sets[name][i].text}
+        engine.add_request(request_id, *self._request(self.sets[name][i].text), priority=self._priority)
+
+    def _request(self, text: str) -> tuple[dict, object]:
+        """A problem's prompt and sampling parameters: its text, or (``tokenizer``) its token ids with
+        routed experts asked from the end of the prompt (a shallow copy of ``params``: vLLM clones a
+        request's parameters before it changes any, vllm/v1/engine/input_processor.py)."""
+        if self.tokenizer is None:
+            prompt, params = {"prompt": text}, self.params
+        else:
+            import copy
+
+            from pace.tasks.base import engine_token_ids
+
+            ids = engine_token_ids(self.tokenizer, text)
+            prompt, params = {"prompt_token_ids": ids}, copy.copy(self.params)
+            params.routed_experts_prompt_start = len(ids)
         if self._salt is not None:
             prompt["cache_salt"] = self._salt
-        engine.add_request(request_id, prompt, self.params, priority=self._priority)
+        return prompt, params
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -222,6 +244,7 @@ class EvalRun:
         seed = None if p.seed is None else p.seed + j + 100_003 * turn  # k distinct samples, seeded
         params = SamplingParams(n=1, max_tokens=p.max_tokens - len(response), temperature=p.temperature, top_p=p.top_p,
                                 stop_token_ids=p.stop_token_ids, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY,
+                                routed_experts_prompt_start=len(prompt_ids) + len(response),  # none of its prompt's
                                 **self.tools.turn_kwargs(turn))
         self._requests[rid] = key
         self._turns[key] = (prompt_ids, response, turn, [] if own is None else own)

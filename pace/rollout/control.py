@@ -12,7 +12,8 @@ which `python -m pace.rollout.fleetctl --run-dir` reads, and is removed when it 
 
 No authentication: whoever reaches the port can add a server (which is then sent the weights) or
 drain one. It listens on `rollout.control_host`, by default the address the servers reach rank 0 at
-(127.0.0.1 when every server is on this host), not on every interface.
+(127.0.0.1 when every server is on this host), not on every interface. A server on another host is
+refused (400) while that address is the loopback, wherever the endpoint listens: `fleet.join`.
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def advertised(bind: str, rollout_cfg) -> str:
     address they reach rank 0 at (this host's name when that is the loopback)."""
     if bind not in ("0.0.0.0", "::", ""):
         return bind
-    from pace.weights.sync import transfer_address
+    from pace.net import transfer_address
 
     host = transfer_address(rollout_cfg)
     return socket.gethostname() if host.startswith("127.") else host
@@ -143,7 +144,7 @@ def serve(fleet, cfg, run_dir) -> Control | None:
     if rollout.control_host:
         host = rollout.control_host
     else:
-        from pace.weights.sync import transfer_address
+        from pace.net import transfer_address
 
         host = transfer_address(rollout)
     start = _start(fleet, host, rollout.control_port, advertised(host, rollout))

@@ -12,10 +12,12 @@ thread: pace/rollout/failover.py) is brought back after a backoff of `rollout.re
 one line; the run goes on with the engines it has).
 
 Growth. `join(url)` registers a server started by hand (scripts/launch_rollout_server.sh with
-`JOIN=`, or `python -m pace.rollout.fleetctl join URL`), probed like a returning one. `drain(i)`
-takes no new groups to server i, lets its requests finish (after `rollout.drain_timeout_s` the rest
-move to the others as a failed server's do), and has it leave at the next update: its
-weight-transfer engine released, stopped if this run started it, left running otherwise.
+`JOIN=`, or `python -m pace.rollout.fleetctl join URL`), probed like a returning one; one on another
+host is refused while the weight-transfer group meets rank 0 on the loopback
+(`RemoteFleet.transfer_address`). `drain(i)` takes no new groups to server i, lets its requests
+finish (after `rollout.drain_timeout_s` the rest move to the others as a failed server's do), and has
+it leave at the next update: its weight-transfer engine released, stopped if this run started it,
+left running otherwise.
 
 Admission: nothing enters the weight-transfer group between updates. A server ready to join waits
 for the next weight update, where the one group of trainer rank 0 and every engine worker is
@@ -148,10 +150,22 @@ class HealingMixin:
     # --- growth (any thread: the control endpoint, tests) ---------------------------------
     def join(self, url: str) -> int:
         """Register a running server (http://host:port); its engine index. It joins at the next
-        weight update once it answers. ValueError if it is in the fleet already."""
+        weight update once it answers. ValueError if it is in the fleet already, or if it is on another
+        host while the weight-transfer group meets rank 0 on the loopback (the run's servers all on
+        this host, `rollout.transfer_address` unset): its rendezvous there would time out inside the
+        regroup, outside the broadcast's recovery, and end the run."""
+        from urllib.parse import urlparse
+
+        from pace.net import is_loopback
+
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"join: {url!r} is not a URL (http://host:port)")
+        if is_loopback(self.transfer_address) and not is_loopback(urlparse(url).hostname):
+            raise ValueError(f"join: {url} is not on this host, and the servers of this run reach trainer rank 0 for "
+                             f"the weight transfer at {self.transfer_address}: a server on another host joins a run "
+                             f"started with rollout.transfer_address=<the address other hosts reach trainer rank 0 at> "
+                             f"(one on this host joins as http://127.0.0.1:PORT)")
         with self._lock:
             if self._closing:
                 raise ValueError("join: the run is stopping")

@@ -67,9 +67,13 @@ class RequestRefused(RuntimeError):
 class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
     def __init__(self, urls: list[str], tokenizer, device_type: str = "cpu", processes: list | None = None,
                  engine_timeout_s: float = 120.0, max_restarts: int = 0, restart_backoff_s: float = 2.0,
-                 start_timeout_s: float = 900.0, drain_timeout_s: float = 300.0, stream_reader: str = "process"):
+                 start_timeout_s: float = 900.0, drain_timeout_s: float = 300.0, stream_reader: str = "process",
+                 transfer_address: str | None = None):
         self.servers = [Server(i, u.rstrip("/"), (processes or [None] * len(urls))[i]) for i, u in enumerate(urls)]
         self.tokenizer = tokenizer
+        # where the weight-transfer group (nccl, gloo) meets trainer rank 0 (None: no group, shm): on the
+        # loopback, a server on another host cannot join (pace/rollout/healing.py `join`)
+        self.transfer_address = transfer_address
         self.device_type = device_type
         self.engine_timeout_s = engine_timeout_s
         from vllm.sampling_params import RequestOutputKind
@@ -146,8 +150,10 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
             if group is not None:
                 self._group_engine[group] = i
         ids = prompt.get("prompt_token_ids")
-        if ids is None:  # a text prompt (validation), tokenized as vLLM's engine does it
-            ids = self.tokenizer(prompt["prompt"]).input_ids
+        if ids is None:  # a text prompt, tokenized as vLLM's engine does it (the generate route takes ids only)
+            from pace.tasks.base import engine_token_ids
+
+            ids = engine_token_ids(self.tokenizer, prompt["prompt"])
         stream = params.output_kind == self._delta and params.n == 1  # generation: streamed token by token
         self._serial += 1
         body = {"request_id": request_ids.wire(request_id, self._serial), "token_ids": list(ids),
@@ -438,6 +444,7 @@ def build(model_path: str, cfg, placement: Placement, tokenizer, log_dir: str | 
     where ``placement`` puts them."""
     from pathlib import Path
 
+    from pace.net import transfer_address
     from pace.rollout import server
 
     urls, processes = list(cfg.rollout.servers), None
@@ -447,8 +454,10 @@ def build(model_path: str, cfg, placement: Placement, tokenizer, log_dir: str | 
     try:
         r = cfg.rollout
         restarts = r.max_engine_restarts if r.on_engine_failure == "continue" else 0  # stop: the run ends
+        group = placement.transfer in ("nccl", "gloo")  # a rendezvous at rank 0's address (shm: a file here)
         fleet = RemoteFleet(urls, tokenizer, placement.device, processes, r.engine_timeout_s, restarts,
-                            r.restart_backoff_s, r.server_start_timeout_s, r.drain_timeout_s, r.stream_reader)
+                            r.restart_backoff_s, r.server_start_timeout_s, r.drain_timeout_s, r.stream_reader,
+                            transfer_address=transfer_address(r) if group else None)
     except BaseException:
         for p in processes or []:
             p.kill()

@@ -50,7 +50,8 @@ class ValRequestsMixin:
         run = evaluation.EvalRun(self.val_sets, params, self.grader,
                                  prefix=request_ids.validation_prefix(v),
                                  answer_timeout_s=self.cfg.reward.timeout_s / self.group_size,
-                                 tools=evaluation.tool_runner(self.cfg, self.tokenizer, on_done=self._wake.set))
+                                 tools=evaluation.tool_runner(self.cfg, self.tokenizer, on_done=self._wake.set),
+                                 tokenizer=self.tokenizer)  # token ids: no routed experts of the prompts asked for
         run.submit(self.fleet, priority=engine_lib.VALIDATION_PRIORITY, salt=engine_lib.cache_salt(v))
         self._val = (run, v, weights() if weights is not None else None, time.perf_counter())
         self.val_started = v

@@ -96,6 +96,14 @@ def prompt_token_limit(max_model_len: int, max_tokens: int, max_prompt_tokens: i
     return limit, keys
 
 
+def engine_token_ids(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids as vLLM 0.32's engine makes them from a text prompt: with the tokenizer's
+    special tokens (vllm/v1/engine/input_processor.py `process_inputs` → vllm/renderers/base.py
+    `default_cmpl_tok_params`; its truncation past max_model_len tokens cannot act on a prompt that
+    `drop_overlong` kept). Unlike a training prompt's, which go without (pace/rollout/generation.py)."""
+    return tokenizer(text, add_special_tokens=True).input_ids
+
+
 def drop_overlong(prompts: list[Prompt], tokenizer, limit: int, add_special_tokens: bool = False) -> tuple[list[Prompt], int]:
     """The prompts of at most ``limit`` tokens, and how many were dropped (as verl's
     ``filter_overlong_prompts``): a longer one would fail in the engine mid-run."""

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import socket
 
 import torch
 
 from pace.errors import RolloutError
-from pace.net import free_port
+from pace.net import free_port, transfer_address
 from pace.placement import Placement
 from pace.weights import transfer
 from pace.weights.update import WeightUpdate
@@ -293,21 +292,4 @@ class BlockingClient:
 def _shared_token(acc) -> str:
     """A name for this run's shared-memory slots (rank 0's pid)."""
     return f"{os.getpid()}" if acc.is_main_process else "-"
-
-
-def transfer_address(rollout_cfg) -> str:
-    """Where the engines reach trainer rank 0 for nccl/gloo: `rollout.transfer_address`, else
-    127.0.0.1 when every engine is on this host, else this host's address on the route to the first
-    remote server."""
-    from urllib.parse import urlparse
-
-    if rollout_cfg.transfer_address:
-        return rollout_cfg.transfer_address
-    hosts = [urlparse(u).hostname for u in rollout_cfg.servers]
-    remote = [h for h in hosts if h not in ("localhost", "::1") and not h.startswith("127.")]
-    if not remote:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((remote[0], 9))  # no packet is sent: the kernel picks the interface toward it
-        return s.getsockname()[0]
 

@@ -1,5 +1,6 @@
-"""The real vLLM CPU engine on the tiny model: rescoring, in-place weight updates, and the engine's
-log-probs against the trainer's after a sync (the rollout worker driving it: test_engine_rollout.py)."""
+"""The real vLLM CPU engine on the tiny model: rescoring, in-place weight updates, the engine's
+log-probs against the trainer's after a sync (the rollout worker driving it: test_engine_rollout.py),
+and validation prompts sent as token ids."""
 from __future__ import annotations
 
 import pytest
@@ -77,3 +78,35 @@ def test_engine_and_trainer_logprobs_agree_after_a_weight_sync(llm, weights, tin
     # is a property of the build: 2.2e-5 / 1.5e-5 (T = 1 / 0.7) on one, 7.9e-5 / 1.7e-4 on another, each
     # the same on every run of it; so the bound is 5e-4, still far below a dropped tensor's nats.
     assert worst < 5e-4
+
+
+def test_validation_token_ids_are_the_engine_s_own_tokenization(llm, tiny_model_path):
+    """In-training validation sends its prompts as token ids (pace/evaluation.py `EvalRun` with a
+    tokenizer): they are the ids this engine makes of the same text, and the request, asking for routed
+    experts from the end of its prompt, is accepted."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from pace.config import Config
+    from pace.evaluation import EvalRun, sampling_params, sets_from_config
+    from pace.tasks.base import Prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    cfg = OmegaConf.structured(Config)
+    cfg.eval.max_tokens = 2
+    sets, _ = sets_from_config(cfg, tokenizer)
+    sets = {name: prompts[:3] for name, prompts in sets.items()}
+    sets["special"] = [Prompt("s0", f"{tokenizer.eos_token}1+1=", "2")]  # a special token written in the text
+    params = sampling_params(cfg, tokenizer, seeded=False, k=2)
+    engine = llm.llm_engine
+    for prefix, tok in (("text", None), ("ids", tokenizer)):  # the engine tokenizes the text; the run, the ids
+        EvalRun(sets, params, None, prefix=prefix, tokenizer=tok).submit(engine, salt="s")
+    prompts, samples = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                prompts[out.request_id], samples[out.request_id] = out.prompt_token_ids, len(out.outputs)
+    ids = {rid.removeprefix("ids"): p for rid, p in prompts.items() if rid.startswith("ids")}
+    text = {rid.removeprefix("text"): p for rid, p in prompts.items() if rid.startswith("text")}
+    assert len(ids) == sum(len(ps) for ps in sets.values()) and ids == text
+    assert set(samples.values()) == {2}

@@ -272,3 +272,73 @@ def test_launch_script_stops_its_server_when_the_fleet_refuses_it(running):
     assert script.returncode == 1
     assert f"fleetctl join: http://127.0.0.1:{port} is already in the fleet" in err
     assert (run_dir / "terminated").read_text() == "5"  # not left running
+
+
+@pytest.fixture
+def remote_fleet():
+    """``remote_fleet(transfer_address)``: a `RemoteFleet` with no server yet (its streams read on its loop),
+    whose weight-transfer group meets trainer rank 0 at ``transfer_address``; shut down at the end."""
+    from pace.rollout.remote import RemoteFleet
+
+    made = []
+
+    def make(transfer_address):
+        made.append(RemoteFleet([], tokenizer=None, stream_reader="thread", transfer_address=transfer_address))
+        return made[-1]
+
+    yield make
+    for fleet in made:
+        fleet.shutdown()
+
+
+def test_a_join_from_another_host_into_a_loopback_transfer_group_is_refused_naming_the_key(remote_fleet, tmp_path, capsys):
+    """The servers of the run all on this host: the group's rendezvous is 127.0.0.1, which a server on
+    another host cannot reach (its rendezvous would time out inside the regroup and end the run)."""
+    fleet = remote_fleet("127.0.0.1")
+    ctl = control.serve(fleet, _cfg(), tmp_path)
+    try:
+        capsys.readouterr()
+        assert fleetctl.main(["join", "http://node3:8100", "--control", ctl.url]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("fleetctl join: join: http://node3:8100 is not on this host") and err.count("\n") == 1
+        assert "rollout.transfer_address" in err and "127.0.0.1" in err
+        assert fleet.describe() == []  # not registered: nothing joins the group at the next update
+        for url in ("http://127.0.0.1:1", "http://localhost:2", "http://[::1]:3"):  # on this host: taken
+            assert fleet.join(url) == len(fleet.servers) - 1
+    finally:
+        ctl.stop()
+
+
+def test_a_join_from_another_host_is_taken_where_the_transfer_address_is_reachable(remote_fleet):
+    """rollout.transfer_address set (or derived toward servers on other hosts): other hosts reach rank 0."""
+    fleet = remote_fleet("10.0.0.7")
+    assert fleet.join("http://node3:8100") == 0 and fleet.servers[0].url == "http://node3:8100"
+    assert remote_fleet(None).join("http://node3:8100") == 0  # no group to meet in (shm): not this check's
+
+
+def test_the_fleet_is_told_where_its_group_meets_rank_0(monkeypatch):
+    """`build` gives the fleet the nccl/gloo group's rendezvous address (`transfer_address`'s rule)."""
+    from pace.placement import Placement
+    from pace.rollout import remote
+
+    made = {}
+
+    class Recorder:
+        def __init__(self, urls, *args, **kw):
+            made.update(kw)
+
+        def set_version(self, version):
+            pass
+
+    monkeypatch.setattr(remote, "RemoteFleet", Recorder)
+    monkeypatch.setattr(control, "serve", lambda fleet, cfg, log_dir: None)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(
+        servers=["http://127.0.0.1:8100"], transfer_address=None, max_engine_restarts=3, on_engine_failure="continue",
+        engine_timeout_s=120.0, restart_backoff_s=2.0, server_start_timeout_s=900.0, drain_timeout_s=300.0,
+        stream_reader="thread"))
+    for backend, expected in (("gloo", "127.0.0.1"), ("nccl", "127.0.0.1"), ("shm", None)):
+        remote.build("model", cfg, Placement("cpu", 1, "server", backend, None), None, None, 0)
+        assert made["transfer_address"] == expected, backend
+    cfg.rollout.transfer_address = "10.0.0.7"
+    remote.build("model", cfg, Placement("cpu", 1, "server", "gloo", None), None, None, 0)
+    assert made["transfer_address"] == "10.0.0.7"

@@ -5,6 +5,7 @@ server's base64 routes, and the one-line refusal on this build."""
 from __future__ import annotations
 
 import pickle
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -336,3 +337,96 @@ def test_a_group_in_flight_from_a_checkpoint_before_routing_replay_loads():
     old = _Pending(Group(0, "p0", [1, 2], "2", 0), 1)
     del old.__dict__["route_start"]  # as pickled before the field existed
     assert pickle.loads(pickle.dumps(old)).route_start == {}
+
+
+class SpecialTokenizer:
+    """A tokenizer whose special tokens show: a BOS (1) in front when they are added (HF's default, and
+    vLLM's for a text prompt), as Llama's does; vLLM's truncation arguments accepted."""
+
+    def __call__(self, text, add_special_tokens=True, truncation=False, max_length=None):
+        ids = [1] * add_special_tokens + [ord(c) for c in text]
+        return SimpleNamespace(input_ids=ids[:max_length] if truncation else ids)
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["" for _ in ids]
+
+
+def _engine_ids(tokenizer, text: str, max_model_len: int) -> list[int]:
+    """``text`` tokenized as vLLM 0.32's engine tokenizes a text prompt: with the arguments of its
+    renderer's `default_cmpl_tok_params` (vllm/renderers/base.py; vllm/v1/engine/input_processor.py
+    `process_inputs`), taken from vLLM itself."""
+    from vllm.renderers.base import BaseRenderer
+
+    renderer = SimpleNamespace(mm_processor=None, model_config=SimpleNamespace(max_model_len=max_model_len,
+                                                                               encoder_config=None))
+    params = BaseRenderer.default_cmpl_tok_params.func(renderer)
+    return tokenizer(text, **params.get_encode_kwargs()).input_ids
+
+
+VAL_SETS = {"arith_l1": [Prompt("v0", "2+3=?\n", "5"), Prompt("v1", "10+20=?\n", "30")]}
+
+
+def test_a_validation_request_under_routing_replay_goes_as_token_ids_asking_no_routes():
+    """In-training validation on a routing-replay engine: each problem's request carries the token ids
+    the engine would have made from its text, and asks for routed experts from the end of its prompt
+    (vLLM 0.32's only per-request control: its prompt's rows are not returned)."""
+    from pace.rollout.fleet import EngineFleet
+    from pace.rollout.worker import RolloutWorker
+
+    cfg = OmegaConf.structured(Config)
+    cfg.algo.routing_replay = True
+    cfg.eval.every, cfg.eval.val_k = 1, 2
+    engine = RoutingEngine()
+    pool = Pool(build_policy(cfg), informative=lambda g: True)
+    worker = RolloutWorker(EngineFleet([SimpleNamespace(llm_engine=engine)]), SpecialTokenizer(),
+                           PromptSampler([Prompt("p0", PROMPT, "2")]), pool, grader=Grader(), cfg=cfg, val_sets=VAL_SETS)
+    worker._maybe_validate(None)  # θ_0 (eval.at_start)
+    assert worker.val_started == 0 and len(engine.asked) == 2
+    for (rid, start), problem in zip(engine.asked, VAL_SETS["arith_l1"]):
+        ids = _engine_ids(SpecialTokenizer(), problem.text, cfg.rollout.max_model_len)
+        assert ids[0] == 1 and engine.requests[rid]["prompt"] == ids  # special tokens as the engine adds them
+        assert start == len(ids)  # no prompt row asked for
+        assert engine.requests[rid]["params"].n == 2
+    run = worker._val[0]
+    key = run.request_ids[0]
+    engine.abort_request([key])
+    run.resubmit(worker.fleet, key)  # its engine failed (pace/rollout/failover.py): sent again as first sent
+    assert engine.asked[-1] == engine.asked[0] and engine.requests[key]["prompt"] == _engine_ids(
+        SpecialTokenizer(), VAL_SETS["arith_l1"][0].text, cfg.rollout.max_model_len)
+
+
+def test_a_validation_request_sent_to_a_server_carries_token_ids_and_asks_no_prompt_routes(monkeypatch):
+    """The body RemoteFleet posts to /inference/v1/generate for an in-training validation request."""
+    from pace.rollout.remote import RemoteFleet
+    from pace.rollout.server_state import Server
+    from pace.rollout.worker import RolloutWorker
+
+    bodies = []
+
+    async def record(self, server, rid, serial, body, stream):
+        bodies.append(body)
+
+    monkeypatch.setattr(RemoteFleet, "_request", record)
+    cfg = OmegaConf.structured(Config)
+    cfg.algo.routing_replay = True
+    cfg.eval.every, cfg.eval.val_k = 1, 4
+    tok = SpecialTokenizer()
+    fleet = RemoteFleet([], tokenizer=tok, stream_reader="thread")
+    try:
+        fleet.servers.append(Server(0, "http://node1:8100"))
+        fleet._load.append(0)
+        fleet.version = 0  # as `remote.build` leaves it (labelling a server is no part of this test)
+        pool = Pool(build_policy(cfg), informative=lambda g: True)
+        worker = RolloutWorker(fleet, tok, PromptSampler([Prompt("p0", PROMPT, "2")]), pool, grader=Grader(), cfg=cfg,
+                               val_sets=VAL_SETS)
+        worker._maybe_validate(None)
+        deadline = time.monotonic() + 10
+        while len(bodies) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        fleet.shutdown()
+    for body, problem in zip(sorted(bodies, key=lambda b: b["request_id"]), VAL_SETS["arith_l1"]):
+        ids = _engine_ids(tok, problem.text, cfg.rollout.max_model_len)
+        assert body["token_ids"] == ids and body["sampling_params"]["n"] == 4 and not body["stream"]
+        assert body["sampling_params"]["routed_experts_prompt_start"] == len(ids)  # no prompt row asked for
