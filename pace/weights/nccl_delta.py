@@ -24,6 +24,7 @@ checked, and the on-policy mismatch guard runs at every step.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -88,8 +89,7 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
             raise RuntimeError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
         device = group.device
         patches = []
-        with torch.accelerator.device_index(device.index):
-            stream = torch.cuda.current_stream(device=device)
+        with on_device(device) as stream:
             for name, dtype_name, shape, n in zip(info.names, info.dtype_names, info.shapes, info.num_updates_list,
                                                   strict=True):
                 dtype = getattr(torch, dtype_name)
@@ -140,11 +140,22 @@ class DeltaNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         if future.done():
             future.result()
         device = self.model_update_group.device
-        with torch.accelerator.device_index(device.index):  # the group's device, as vLLM's sparse sender
-            stream = torch.cuda.current_stream()
+        with on_device(device) as stream:  # the group's device, as vLLM's sparse sender
             for p in patches:
                 self.model_update_group.broadcast(p.indices.to(device, torch.int32).contiguous(), src=0, stream=stream)
                 self.model_update_group.broadcast(p.values.to(device).contiguous(), src=0, stream=stream)
         future.result()
         self.client.finish_weight_update()
         self._post_send_sync()
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device):
+    """The communicator's device made current, and its current stream (None off CUDA), as vLLM's
+    `SparseNCCLTrainerWeightTransferEngine._broadcast_chunk` does (a CPU device: no device context).
+    A CPU device is what the tests' stand-in communicator has (tests/unit/test_nccl_patches.py)."""
+    if device.type != "cuda":
+        yield None
+        return
+    with torch.accelerator.device_index(device.index):
+        yield torch.cuda.current_stream(device=device)

@@ -1,0 +1,186 @@
+"""The nccl backend's delta protocol (pace/weights/nccl_delta.py) without NCCL or a GPU: trainer rank 0's
+`DeltaNCCLTrainerWeightTransferEngine` and one `pace_nccl` engine worker in one process, joined by a
+stand-in communicator (what one side broadcasts, the other receives, in order, shape and dtype
+checked); the worker's model a toy as vLLM builds one — the checkpoint's `q.weight` and `k.weight`
+land in one fused parameter through its weight loader — run through vLLM's layerwise reload for whole
+updates and vLLM's own `load_checkpoint_weight_patches` for patches, as on a GPU. What is not run
+here: NCCL's broadcast, CUDA streams, a real vLLM model's loaders (docs/gpu.md)."""
+from __future__ import annotations
+
+import queue
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pace.weights import fingerprint as fp
+from pace.weights.delta import DeltaTracker
+from pace.weights.nccl_delta import (
+    CheckedDeltaNCCLWeightTransferEngine,
+    DeltaNCCLTrainerWeightTransferEngine,
+    DeltaNCCLUpdateInfo,
+)
+from pace.weights.transfer import CastSource
+
+pytestmark = pytest.mark.unit
+
+
+class _End:
+    """One side of the stand-in communicator: rank 0 puts each broadcast on the wire, a worker takes
+    them in order into its (empty) tensor. ``log``: each receive's bytes, in order, shared with the model."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, wire: queue.Queue, sender: bool, log: list):
+        self.wire, self.sender, self.log = wire, sender, log
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream=None) -> None:
+        assert src == 0 and stream is None  # a CPU device: no CUDA stream (nccl_delta.on_device)
+        if self.sender:
+            self.wire.put(tensor.detach().clone())
+            return
+        sent = self.wire.get(timeout=30)
+        assert sent.shape == tensor.shape and sent.dtype == tensor.dtype, (sent.shape, tensor.shape)
+        tensor.copy_(sent)
+        self.log.append(("receive", tensor.numel() * tensor.element_size()))
+
+
+def _shard_loader(param, loaded_weight, shard_id):
+    """As vLLM's QKVParallelLinear.weight_loader: one shard's rows of the fused parameter, one copy."""
+    rows = slice(0, 4) if shard_id == "q" else slice(4, 6)
+    param.data[rows].copy_(loaded_weight)
+
+
+class _FusedModel(torch.nn.Module):
+    """The engine's model: `qk.weight` = [q; k] (4 + 2 rows), `out` as the checkpoint has it.
+    `load_weights` reports the parameters it wrote, as vLLM's `AutoWeightsLoader`, and skips a name
+    it does not know without a word, as that loader skips a tied alias or an unexpected bias."""
+
+    def __init__(self, log: list):
+        super().__init__()
+        self.qk = torch.nn.Linear(4, 6, bias=False)
+        self.qk.weight.weight_loader = _shard_loader
+        self.out = torch.nn.Linear(6, 4)
+        self.log = log
+
+    def load_weights(self, weights) -> set[str]:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        names = set()
+        for name, w in weights:
+            self.log.append(("load", name))
+            if name in ("q.weight", "k.weight"):
+                self.qk.weight.weight_loader(self.qk.weight, w, name[0])
+                names.add("qk.weight")
+            elif name in ("out.weight", "out.bias"):
+                p = self.get_parameter(name)
+                getattr(p, "weight_loader", default_weight_loader)(p, w)
+                names.add(name)
+        return names
+
+    def as_checkpoint(self) -> dict[str, torch.Tensor]:
+        w = self.qk.weight.detach()
+        return {"q.weight": w[:4], "k.weight": w[4:], "out.weight": self.out.weight.detach(), "out.bias": self.out.bias.detach()}
+
+
+class _Policy(torch.nn.Module):
+    """The trainer's model: the checkpoint's names and layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(4, 4, bias=False)
+        self.k = torch.nn.Linear(4, 2, bias=False)
+        self.out = torch.nn.Linear(6, 4)
+
+
+class _Client:
+    """vLLM's four calls, the worker's run here (send_patches runs update_weights on a thread of its
+    own while it broadcasts); what the worker's reload check reports after each update, as the fleet
+    reads it (`pace_weight_update_failure`)."""
+
+    def __init__(self, worker):
+        self.worker, self.reports = worker, []
+
+    def start_weight_update(self):
+        self.worker.start_weight_update()
+
+    def update_weights(self, info: dict):
+        self.worker.receive_weights(self.worker.parse_update_info(info))
+
+    def finish_weight_update(self):
+        self.worker.finish_weight_update()
+        self.reports.append(self.worker.take_failure())
+
+
+def _receive_whole(self, info) -> None:
+    """vLLM's NCCLWeightTransferEngine.receive_weights, unpacked: each tensor received, then loaded."""
+    for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
+        weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
+        self.model_update_group.broadcast(weight, src=0, stream=None)
+        self.model.load_weights([(name, weight)])
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    """(trainer engine, worker, trainer model, client, log) joined by a stand-in communicator."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    monkeypatch.setattr(NCCLWeightTransferEngine, "receive_weights", _receive_whole)
+    torch.manual_seed(0)
+    policy, log, wire = _Policy(), [], queue.Queue()
+    model = _FusedModel(log)
+    record_metadata_for_reloading(model)  # vLLM does at the engine's load
+    config = SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace(dtype=torch.float32))
+    worker = CheckedDeltaNCCLWeightTransferEngine(None, config, torch.device("cpu"), model)
+    worker.model_update_group = _End(wire, sender=False, log=log)
+    client = _Client(worker)
+    trainer = DeltaNCCLTrainerWeightTransferEngine(client=client, source=CastSource(policy, torch.float32))
+    trainer.model_update_group = _End(wire, sender=True, log=log)
+    return trainer, worker, policy, client, log
+
+
+def _send_whole(trainer, policy, version: int) -> dict[str, int]:
+    """θ_version whole, as vLLM's NCCL trainer engine sends it (labelled as BlockingClient labels it);
+    the fingerprints of what was sent."""
+    names = [n for n, _ in policy.named_parameters()]
+    info = DeltaNCCLUpdateInfo(names=names, dtype_names=["float32"] * len(names),
+                               shapes=[list(p.shape) for _, p in policy.named_parameters()], version=version)
+    for _, p in policy.named_parameters():
+        trainer.model_update_group.broadcast(p.detach().clone())
+    trainer.client.start_weight_update()
+    trainer.client.update_weights(vars(info))
+    trainer.client.finish_weight_update()
+    return {n: fp.tensor_fingerprint(p.detach()) for n, p in policy.named_parameters()}
+
+
+def _holds(worker, policy) -> bool:
+    got = worker.model.as_checkpoint()
+    return all(torch.equal(got[n], p.detach()) for n, p in policy.named_parameters())
+
+
+def _step(policy, *changes) -> None:
+    with torch.no_grad():
+        for name, index, delta in changes:
+            policy.get_parameter(name).view(-1)[index] += delta
+
+
+def test_patches_go_in_place_through_the_model_s_own_loader_and_a_wrong_base_is_refused(pair):
+    trainer, worker, policy, client, _ = pair
+    tracker = DeltaTracker(policy, torch.float32, full_every=0, max_frac=1.0)
+    tracker.sent(tracker.plan(1), _send_whole(trainer, policy, 1))
+    assert _holds(worker, policy) and worker.held_version == 1 and client.reports == [None]
+
+    _step(policy, ("q.weight", 5, 1.0), ("k.weight", 7, -0.5), ("out.bias", 0, 2.0))
+    plan = tracker.plan(2)
+    assert not plan.full and sorted(p.name for p in plan.patches) == ["k.weight", "out.bias", "q.weight"]
+    trainer.send_patches(plan.patches, 2, base=1)
+    tracker.sent(plan)
+    assert _holds(worker, policy) and worker.held_version == 2  # k's rows of the fused parameter too
+
+    _step(policy, ("out.weight", 3, 1.0))
+    before = worker.model.as_checkpoint()
+    with pytest.raises(RuntimeError, match="patches for θ_1 → θ_3, but this engine worker holds θ_2"):
+        trainer.send_patches(tracker.plan(3).patches, 3, base=1)
+    assert all(torch.equal(before[n], t) for n, t in worker.model.as_checkpoint().items())  # nothing applied
+    assert trainer.model_update_group.wire.empty()  # every broadcast was received
