@@ -167,6 +167,8 @@ def validate(cfg: DictConfig) -> None:
                           f"got {cfg.rollout.full_sync_every}")
     if cfg.rollout.delta_max_frac is not None and not 0 < cfg.rollout.delta_max_frac <= 1:
         raise ConfigError(f"rollout.delta_max_frac must be in (0, 1] or null, got {cfg.rollout.delta_max_frac}")
+    if cfg.rollout.delta_chunk_mib <= 0:
+        raise ConfigError(f"rollout.delta_chunk_mib must be > 0, got {cfg.rollout.delta_chunk_mib}")
     if cfg.rollout.max_engine_restarts < 0:
         raise ConfigError(f"rollout.max_engine_restarts must be >= 0, got {cfg.rollout.max_engine_restarts}")
     for key in ("restart_backoff_s", "drain_timeout_s"):

@@ -36,6 +36,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferUpdateInfo,
 )
 
+from pace.weights import inplace
 from pace.weights.reload import ExactReload, refresh, shared_parameters
 
 
@@ -44,6 +45,7 @@ class DeltaNCCLUpdateInfo(NCCLWeightTransferUpdateInfo):
     num_updates_list: list[int] | None = None  # patches: changed elements per tensor (None: whole tensors)
     version: int | None = None  # the trainer step of these weights
     base: int | None = None  # patches: the version they apply to
+    chunk_bytes: int | None = None  # patches: a worker receives at most this much before applying (None: inplace.CHUNK_BYTES)
 
 
 class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine):
@@ -77,34 +79,44 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
             self._receive_patches(update_info)
 
     def _receive_patches(self, info: DeltaNCCLUpdateInfo) -> None:
-        """As vLLM's `SparseNCCLWeightTransferEngine.receive_weights`: every patch received on the
-        communicator's device, then applied through the model's loader in place."""
-        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
-            CheckpointWeightPatch,
-            load_checkpoint_weight_patches,
-        )
+        """As vLLM's `SparseNCCLWeightTransferEngine.receive_weights` (indices, then values, per
+        tensor, on the communicator's device), but received and applied in chunks of at most
+        `chunk_bytes` (pace/weights/inplace.py), not all received first. The base is checked before
+        anything is applied; patches this worker cannot take are received all the same (every worker
+        takes part in every broadcast) and dropped, chunk by chunk."""
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch
+
+        from pace.weights.gloo import DeltaMismatch
 
         group = self.model_update_group
         if group is None:
             raise RuntimeError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
-        device = group.device
-        patches = []
-        with on_device(device) as stream:
-            for name, dtype_name, shape, n in zip(info.names, info.dtype_names, info.shapes, info.num_updates_list,
-                                                  strict=True):
-                dtype = getattr(torch, dtype_name)
-                indices = torch.empty(n, dtype=torch.int32, device=device)
-                values = torch.empty(n, dtype=dtype, device=device)
-                group.broadcast(indices, src=0, stream=stream)
-                group.broadcast(values, src=0, stream=stream)
-                patches.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=dtype, values=values,
-                                                     indices=indices))
-            if self.held_version is None or self.held_version != info.base:
-                raise RuntimeError(f"weight patches for θ_{info.base} → θ_{info.version}, but this engine worker "
-                                   f"holds {'no full update' if self.held_version is None else f'θ_{self.held_version}'}")
+        held = self.held_version
+        refused = None if held is not None and held == info.base else (
+            f"weight patches for θ_{info.base} → θ_{info.version}, but this engine worker holds "
+            f"{'no full update' if held is None else f'θ_{held}'}: the trainer must send whole tensors")
+        if refused is None:
             self.held_version = None  # until they are in
-            load_checkpoint_weight_patches(self.model, patches)
-            self.held_version = info.version
+        device = group.device
+        metas = list(zip(info.names, [getattr(torch, d) for d in info.dtype_names], info.shapes, info.num_updates_list,
+                         strict=True))
+        sizes = [inplace.wire_bytes(n, dtype) for _, dtype, _, n in metas]
+        with on_device(device) as stream:
+            for run in inplace.chunks(sizes, info.chunk_bytes or inplace.CHUNK_BYTES):
+                received = []
+                for name, dtype, shape, n in (metas[i] for i in run):
+                    indices = torch.empty(n, dtype=torch.int32, device=device)
+                    values = torch.empty(n, dtype=dtype, device=device)
+                    group.broadcast(indices, src=0, stream=stream)
+                    group.broadcast(values, src=0, stream=stream)
+                    received.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=dtype, values=values,
+                                                          indices=indices))
+                if refused is None:
+                    inplace.apply(self.model, received)
+                del received  # this chunk's buffers go before the next is received
+        if refused is not None:
+            raise DeltaMismatch(refused)
+        self.held_version = info.version
 
     def finish_weight_update(self) -> None:
         kind, self._kind = self._kind, None
@@ -124,13 +136,16 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
 class DeltaNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     """vLLM's NCCL trainer engine (whole tensors, packed) and `send_patches` over its group."""
 
+    chunk_bytes: int | None = None  # the engine workers' chunk of patches (`rollout.delta_chunk_mib`; None: theirs)
+
     def send_patches(self, patches: list, version: int, base: int) -> None:
         """Rank 0: pace/weights/delta.py's patches of θ_version against θ_base, broadcast as vLLM's
         `SparseNCCLTrainerWeightTransferEngine._broadcast_chunk` does (indices, then values)."""
         info = DeltaNCCLUpdateInfo(names=[p.name for p in patches],
                                    dtype_names=[str(p.values.dtype).split(".")[-1] for p in patches],
                                    shapes=[list(p.full_shape) for p in patches],
-                                   num_updates_list=[int(p.indices.numel()) for p in patches], version=version, base=base)
+                                   num_updates_list=[int(p.indices.numel()) for p in patches], version=version, base=base,
+                                   chunk_bytes=self.chunk_bytes)
         from pace.weights.gloo import run_into
 
         self.client.start_weight_update()

@@ -104,7 +104,10 @@ class WeightSync:
             self.delta.reset()  # a (re)formed group: the engines in it get whole tensors next
         if self.rollout is not None and self._client is None:
             self._client = BlockingClient(self.rollout, label=True)  # one for the run: a regroup keeps its state
-        return Engine.trainer_init(info, client=None if self.rollout is None else self._client, source=self.source)
+        engine = Engine.trainer_init(info, client=None if self.rollout is None else self._client, source=self.source)
+        if self.backend == "nccl":  # the engine workers' chunk of patches applied in place (pace/weights/inplace.py)
+            engine.chunk_bytes = self.cfg.rollout.delta_chunk_mib << 20
+        return engine
 
     def prepare(self, version: int) -> None:
         """shm: every rank materialises θ, rank 0 writes it into a slot (the engines go on with

@@ -148,6 +148,7 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["algo=m2po", "algo.is_correction=tis", "algo.is_threshold=2"], "algo.is_correction"),
         (["algo=m2po", "algo.m2po_variant=clip"], "algo.m2po_variant"),
         (["rollout.control_port=70000"], "rollout.control_port"),
+        (["rollout.delta_chunk_mib=0"], "rollout.delta_chunk_mib"),
     ],
 )
 def test_validate_rejects_and_names_the_key(overrides: list[str], key: str) -> None:

@@ -184,3 +184,36 @@ def test_patches_go_in_place_through_the_model_s_own_loader_and_a_wrong_base_is_
         trainer.send_patches(tracker.plan(3).patches, 3, base=1)
     assert all(torch.equal(before[n], t) for n, t in worker.model.as_checkpoint().items())  # nothing applied
     assert trainer.model_update_group.wire.empty()  # every broadcast was received
+
+
+def test_chunks_are_consecutive_runs_within_the_bound_and_a_larger_patch_runs_alone():
+    from pace.weights.inplace import chunks, wire_bytes
+
+    assert wire_bytes(10, torch.float32) == 80 and wire_bytes(10, torch.bfloat16) == 60  # int32 index + value
+    assert chunks([80, 48, 160, 16], 130) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert chunks([80, 48, 160, 16], 10_000) == [range(0, 4)]
+    assert chunks([5, 5, 5], 5) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert chunks([], 100) == []
+    with pytest.raises(ValueError):
+        chunks([1], 0)
+
+
+def test_a_worker_applies_each_chunk_before_it_receives_the_next(pair):
+    """vLLM's sparse engine receives every patch of an update before it applies any (~16 GB on an 8B's
+    GPU near delta_max_frac); here at most `chunk_bytes` of indices and values wait to be applied."""
+    trainer, worker, policy, client, log = pair
+    tracker = DeltaTracker(policy, torch.float32, full_every=0, max_frac=1.0)
+    tracker.sent(tracker.plan(1), _send_whole(trainer, policy, 1))
+    _step(policy, *[("q.weight", i, 1.0) for i in range(10)], *[("k.weight", i, 1.0) for i in range(6)],
+          *[("out.weight", i, 1.0) for i in range(20)], *[("out.bias", i, 1.0) for i in range(2)])
+    plan = tracker.plan(2)
+    assert [(p.name, p.indices.numel()) for p in plan.patches] == [("q.weight", 10), ("k.weight", 6),
+                                                                    ("out.weight", 20), ("out.bias", 2)]
+    trainer.chunk_bytes = 130  # q (80 bytes: 10 int32 indices, 10 float32 values) and k (48) together, then one each
+    del log[:]
+    trainer.send_patches(plan.patches, 2, base=1)
+    assert log == [("receive", 40), ("receive", 40), ("receive", 24), ("receive", 24),
+                   ("load", "q.weight"), ("load", "k.weight"),
+                   ("receive", 80), ("receive", 80), ("load", "out.weight"),  # 160 bytes: alone
+                   ("receive", 8), ("receive", 8), ("load", "out.bias")]
+    assert _holds(worker, policy) and worker.held_version == 2

@@ -1,0 +1,54 @@
+"""Weight patches applied in place by an engine worker (`pace_nccl`, `rollout.weight_delta`): received
+and applied in bounded chunks, each patch through the model's own loader.
+
+vLLM 0.32's sparse engine (`vllm/distributed/weight_transfer/sparse_nccl_engine.py`,
+`SparseNCCLWeightTransferEngine.receive_weights`) receives every patch of an update onto the GPU and
+only then applies them: near `rollout.delta_max_frac` (a third of the elements in bf16, an int32 index
+and a value each) that is the size of the model again — ~16 GB for an 8B — beside the engine's
+weights and KV cache. Here a worker receives at most `chunk_bytes` of indices and values (a tensor
+whose patch alone is larger: that patch), applies them, and receives the next chunk: the trainer
+broadcasts them in order either way, so only the worker's side changes.
+
+Each patch is applied by its own call of vLLM's `load_checkpoint_weight_patches`
+(`vllm/model_executor/model_loader/checkpoint_weight_patch.py`), which stages it as a NaN-masked
+tensor of the checkpoint tensor's full shape and passes it to the model's `load_weights`: one such
+staging tensor at a time (the largest, an 8B's embedding: 1.2 GB in bf16) on top of the chunk.
+"""
+from __future__ import annotations
+
+import torch
+
+INDEX_BYTES = 4  # int32 flat indices (vLLM's sparse patches)
+CHUNK_BYTES = 512 << 20  # without a bound from the trainer: vLLM's loader's own batching target
+
+
+def wire_bytes(n: int, dtype: torch.dtype) -> int:
+    """Bytes of a patch of ``n`` elements as received: its int32 indices and its values."""
+    return n * (INDEX_BYTES + torch.empty((), dtype=dtype).element_size())
+
+
+def chunks(sizes: list[int], bound: int) -> list[range]:
+    """Consecutive runs of the patches (``sizes``: each one's bytes) whose bytes add up to at most
+    ``bound``; a patch larger than ``bound`` makes a run of its own. Every patch is in one run, in order."""
+    if bound <= 0:
+        raise ValueError(f"a chunk's bound must be positive, got {bound}")
+    runs, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > bound:
+            runs.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        runs.append(range(start, len(sizes)))
+    return runs
+
+
+def apply(model: torch.nn.Module, patches: list) -> dict[str, set[str]]:
+    """Each of ``patches`` (vLLM `CheckpointWeightPatch`es) through the model's loader, one call each;
+    per patch's name, the parameter names that call reported written."""
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import load_checkpoint_weight_patches
+
+    written: dict[str, set[str]] = {}
+    for patch in patches:
+        written.setdefault(patch.name, set()).update(load_checkpoint_weight_patches(model, [patch]))
+    return written
