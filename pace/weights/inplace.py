@@ -13,6 +13,13 @@ Each patch is applied by its own call of vLLM's `load_checkpoint_weight_patches`
 (`vllm/model_executor/model_loader/checkpoint_weight_patch.py`), which stages it as a NaN-masked
 tensor of the checkpoint tensor's full shape and passes it to the model's `load_weights`: one such
 staging tensor at a time (the largest, an 8B's embedding: 1.2 GB in bf16) on top of the chunk.
+
+Each call reports the model's parameters it wrote (`load_weights`' names: the engine's, e.g. a fused
+`qkv_proj.weight` for the checkpoint's `q_proj.weight`), so the names are audited per tensor sent
+(`untrusted`): a patch that reached no parameter (a name the loader skips without a word, as vLLM's
+`AutoWeightsLoader` skips a tied alias or an unexpected bias), or one that wrote a parameter the
+worker's last whole update did not load, makes the update untrusted — the worker holds θ_version's
+patches as far as they went, and the trainer's next sync sends θ whole (pace/weights/sync.py).
 """
 from __future__ import annotations
 
@@ -52,3 +59,27 @@ def apply(model: torch.nn.Module, patches: list) -> dict[str, set[str]]:
     for patch in patches:
         written.setdefault(patch.name, set()).update(load_checkpoint_weight_patches(model, [patch]))
     return written
+
+
+def untrusted(written: dict[str, set[str]], loaded: set[str] | None, base: int | None, version: int | None,
+              limit: int = 3) -> str | None:
+    """Why a patch update is not to be trusted as the base of the next (one line), or None.
+    ``written``: per tensor sent, the parameters its loader call reported written (`apply`);
+    ``loaded``: the parameters the worker's last whole update loaded (pace/weights/reload.py's
+    `Audit.loaded`; None: the model's loader does not report names)."""
+    head = f"weight patches θ_{base} → θ_{version}"
+    if loaded is None:
+        return f"{head}: the model's loader does not report the parameters it writes, so no patch can be audited"
+    missing = sorted(name for name, params in written.items() if not params)
+    extra = sorted({p for params in written.values() for p in params} - loaded)
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of {len(written)} tensors sent were written into no parameter ({_first(missing, limit)})")
+    if extra:
+        parts.append(f"{len(extra)} parameters were written that the last whole update did not load ({_first(extra, limit)})")
+    return f"{head}: {'; '.join(parts)}" if parts else None
+
+
+def _first(names: list[str], limit: int) -> str:
+    more = f", and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

@@ -56,7 +56,8 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._kind: str | None = None  # this update's: "whole" or "patches", None before its first receive
-        self.held_version: int | None = None
+        self._patched: tuple[DeltaNCCLUpdateInfo, dict[str, set[str]]] | None = None  # patches in: what each wrote
+        self.held_version: int | None = None  # the version patches may start from (None: none, or not trusted)
 
     def start_weight_update(self) -> None:
         self._kind = None  # the lifecycle starts with the first receive, once its kind is known
@@ -68,7 +69,7 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
             if kind == "whole":
                 ExactReload.start_weight_update(self)  # vLLM's layerwise reload, checked
             else:
-                self._shared = shared_parameters(self.model)
+                self._shared, self._patched = shared_parameters(self.model), None
         elif self._kind != kind:
             raise RuntimeError("one weight update is either whole tensors or patches, not both")
         if kind == "whole":
@@ -94,9 +95,11 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
         held = self.held_version
         refused = None if held is not None and held == info.base else (
             f"weight patches for θ_{info.base} → θ_{info.version}, but this engine worker holds "
-            f"{'no full update' if held is None else f'θ_{held}'}: the trainer must send whole tensors")
+            f"{'no version to patch (none yet, or its last update failed or was not trusted)' if held is None else f'θ_{held}'}"
+            ": the trainer must send whole tensors")
         if refused is None:
-            self.held_version = None  # until they are in
+            self.held_version = None  # until they are in and audited (finish_weight_update)
+        written: dict[str, set[str]] = {}
         device = group.device
         metas = list(zip(info.names, [getattr(torch, d) for d in info.dtype_names], info.shapes, info.num_updates_list,
                          strict=True))
@@ -112,17 +115,19 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
                     received.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=dtype, values=values,
                                                           indices=indices))
                 if refused is None:
-                    inplace.apply(self.model, received)
+                    for name, params in inplace.apply(self.model, received).items():
+                        written.setdefault(name, set()).update(params)
                 del received  # this chunk's buffers go before the next is received
         if refused is not None:
             raise DeltaMismatch(refused)
-        self.held_version = info.version
+        self._patched = (info, written)
 
     def finish_weight_update(self) -> None:
         kind, self._kind = self._kind, None
         if kind == "whole":
             ExactReload.finish_weight_update(self)
             return
+        patched, self._patched = self._patched, None
         failures = []
         for name, layer in self.model.named_modules():  # the layers that share a patched parameter
             if any(id(p) in self._shared for p in layer._parameters.values() if p is not None):
@@ -131,6 +136,14 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
                 except Exception as exc:  # noqa: BLE001 - named in the update's failure
                     failures.append(f"{name}: {exc}")
         self.failure = "; ".join(failures) or None
+        if patched is None:  # none received
+            return
+        info, written = patched
+        # the names each patch's loader call wrote against those the last whole update loaded
+        loaded = None if self.last_audit is None else self.last_audit.loaded
+        self.untrusted = inplace.untrusted(written, loaded, info.base, info.version)
+        if self.failure is None and self.untrusted is None:
+            self.held_version = info.version
 
 
 class DeltaNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):

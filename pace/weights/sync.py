@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import socket
+import sys
 
 import torch
 
@@ -64,6 +65,7 @@ class WeightSync:
         self.plan = None  # the last sync's plan (delta.Plan; rollout.weight_delta), logged as sync/*
         self._full_prints: dict | None = None  # rank 0: the fingerprints of the last full pass sent
         self._due = False  # rank 0: the group is formed again at the next publish (decided when it was planned)
+        self._untrusted = False  # rank 0: the last patches are no base for the next (pace/weights/inplace.py): whole next
         if self.backend == transfer.BACKEND:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
             self.sender = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
@@ -119,7 +121,9 @@ class WeightSync:
         # whole when the group is formed again at this update (a server joins or was lost: rank 0 decides)
         self.plan = None
         if self.delta is not None:
-            if self.decide(self._regroup_due(admit=True)):
+            due = self._regroup_due(admit=True)
+            untrusted, self._untrusted = self._untrusted, False  # the engines' weights are not known exactly
+            if self.decide(due or untrusted):
                 self.delta.reset()
             self.plan = self.delta.plan(version)
         if self._update is not None:
@@ -170,6 +174,7 @@ class WeightSync:
                     if self.sender.is_sender:  # the other ranks gave their changes when it was planned
                         self._expect_delta(plan)
                         self.sender.send_patches(plan.patches, version, self.delta.version)
+                        self._untrusted = self._take_untrusted(fleet)
                 else:
                     self.sender.send_weights()  # every rank: each tensor is a collective under FSDP
                 if plan is not None:
@@ -199,6 +204,17 @@ class WeightSync:
         sent = None if self.rollout is None else self.rollout.sent_weights
         if sent is not None and plan.prints is not None and self.backend == "gloo":
             sent.expect(plan.version, plan.prints)
+
+    @staticmethod
+    def _take_untrusted(fleet) -> bool:
+        """Rank 0, after patches loaded: whether a worker does not trust them as the base of the next
+        (a patch that reached no parameter, or one the whole update did not load: pace/weights/inplace.py);
+        then one warning, and the next sync sends θ whole (`prepare`)."""
+        why = None if fleet is None else fleet.take_untrusted()
+        if why is None:
+            return False
+        print(f"warning: {why}; the next weight sync sends θ whole (rollout.weight_delta)", file=sys.stderr, flush=True)
+        return True
 
     def _regroup_due(self, admit: bool) -> bool:
         """Rank 0, server mode: whether the group is formed again at this update (a server failed or

@@ -217,3 +217,110 @@ def test_a_worker_applies_each_chunk_before_it_receives_the_next(pair):
                    ("receive", 80), ("receive", 80), ("load", "out.weight"),  # 160 bytes: alone
                    ("receive", 8), ("receive", 8), ("load", "out.bias")]
     assert _holds(worker, policy) and worker.held_version == 2
+
+
+def test_a_patch_that_reaches_no_parameter_or_one_the_whole_update_did_not_load_is_not_trusted(pair):
+    """The names each patch's loader call reported against the tensors sent: a tensor the engine's
+    loader skips without a word (a whole update of it goes unnoticed too: no engine layer lacks an
+    element) is lost from a patch update, which the worker reports as untrusted (the fleet keeps it
+    for the trainer, whose next sync is whole) and does not take patches on (`held_version` None)."""
+    from pace.weights.gloo import DeltaMismatch
+
+    trainer, worker, policy, client, _ = pair
+    policy.register_parameter("scale", torch.nn.Parameter(torch.zeros(3)))  # a name the engine's loader skips
+    tracker = DeltaTracker(policy, torch.float32, full_every=0, max_frac=1.0)
+    tracker.sent(tracker.plan(1), _send_whole(trainer, policy, 1))
+    assert client.reports == [None] and worker.held_version == 1
+
+    _step(policy, ("scale", 1, 1.0), ("q.weight", 0, 1.0))
+    plan = tracker.plan(2)
+    trainer.send_patches(plan.patches, 2, base=1)  # it loaded: not a failure
+    tracker.sent(plan)
+    assert client.reports[-1] == {"untrusted": "weight patches θ_1 → θ_2: 1 of 2 tensors sent were written into no "
+                                               "parameter (scale)"}
+    assert worker.held_version is None and torch.equal(worker.model.as_checkpoint()["q.weight"], policy.q.weight)
+    _step(policy, ("q.weight", 1, 1.0))
+    with pytest.raises(DeltaMismatch, match="θ_2 → θ_3, but this engine worker holds no version to patch"):
+        trainer.send_patches(tracker.plan(3).patches, 3, base=2)
+
+
+def test_a_loader_that_writes_a_parameter_the_whole_update_did_not_load_is_not_trusted(pair):
+    trainer, worker, policy, client, _ = pair
+    tracker = DeltaTracker(policy, torch.float32, full_every=0, max_frac=1.0)
+    tracker.sent(tracker.plan(1), _send_whole(trainer, policy, 1))
+    load = worker.model.load_weights
+    worker.model.load_weights = lambda weights: load(weights) | {"rope.cos_sin_cache"}
+    _step(policy, ("q.weight", 0, 1.0), ("out.bias", 1, 1.0))
+    trainer.send_patches(tracker.plan(2).patches, 2, base=1)
+    assert client.reports[-1] == {"untrusted": "weight patches θ_1 → θ_2: 1 parameters were written that the last "
+                                               "whole update did not load (rope.cos_sin_cache)"}
+    assert worker.held_version is None
+
+
+def test_the_untrusted_line_names_the_first_few_and_counts_the_rest():
+    from pace.weights.inplace import untrusted
+
+    written = {f"t{i}": set() for i in range(5)} | {"a": {"x", "y"}}
+    assert untrusted(written, {"x"}, 4, 5) == ("weight patches θ_4 → θ_5: 5 of 6 tensors sent were written into no "
+                                               "parameter (t0, t1, t2, and 2 more); 1 parameters were written that "
+                                               "the last whole update did not load (y)")
+    assert untrusted({"a": {"x"}}, {"x", "z"}, 4, 5) is None  # a patch need not touch every parameter
+    assert untrusted({"a": {"x"}}, None, 4, 5).endswith("the model's loader does not report the parameters it "
+                                                        "writes, so no patch can be audited")
+
+
+class _Rollout:
+    """Rank 0's rollout for a real `WeightSync` on the gloo backend with no engine workers (a group of
+    one): the calls run here, the broadcast goes nowhere; the fleet reports ``untrusted[v]`` after the
+    update of θ_v, as `Fleet.end_update` keeps a worker's report for `take_untrusted`."""
+
+    ident = None
+    sent_weights = None
+
+    def __init__(self, untrusted: dict[int, str]):
+        self.untrusted, self.loaded = untrusted, []
+        self.fleet = SimpleNamespace(load=lambda info: None, transfer_workers=lambda: 0, alive=[], group_members=lambda: [],
+                                     regroup_due=lambda admit: False, wait_failed=lambda known: None,
+                                     take_untrusted=lambda: self.untrusted.pop(self.loaded[-1], None))
+
+    def init_weight_transfer_engine(self, info):
+        pass
+
+    def begin_update(self):
+        pass
+
+    def end_update(self, version):
+        self.loaded.append(version)
+
+
+def test_after_untrusted_patches_the_next_sync_is_whole_on_every_rank_with_one_warning(capsys):
+    from pace.config import Config
+    from pace.placement import Placement
+    from pace.weights.sync import WeightSync
+
+    cfg = Config()
+    cfg.model.dtype, cfg.rollout.weight_transfer, cfg.rollout.engines = "float32", "gloo", 0
+    cfg.rollout.weight_delta, cfg.rollout.delta_max_frac, cfg.rollout.full_sync_every = True, 1.0, 0
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    why = "weight patches θ_1 → θ_2: 1 of 2 tensors sent were written into no parameter (scale) (and 1 more workers)"
+    rollout, flags, now = _Rollout({2: why}), [], [0]
+    trainer = SimpleNamespace(model=model, acc=SimpleNamespace(process_index=0, is_main_process=True))
+    decide = lambda flag: flags.append((now[0], flag)) or flag  # noqa: E731 - Control.decide: rank 0's flag on every rank
+    sync = WeightSync(cfg, trainer, rollout, Placement.of(cfg.rollout, "cpu", 1), decide=decide)
+    plans = []
+    try:
+        for version in (1, 2, 3, 4):
+            now[0] = version
+            with torch.no_grad():
+                model.bias[version % 3] += 1.0
+            sync.prepare(version)
+            sync.publish(version)
+            plans.append((sync.plan.full, sync.plan.reason))
+    finally:
+        sync.close()
+    assert rollout.loaded == [1, 2, 3, 4]
+    assert plans == [(True, "first"), (False, "delta"), (True, "reset"), (False, "delta")]
+    assert [v for v, flag in flags if flag] == [3]  # rank 0's decision, every rank's at prepare(3): all reset, all whole
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: {why}; the next weight sync sends θ whole (rollout.weight_delta)"]
