@@ -20,6 +20,16 @@ Each call reports the model's parameters it wrote (`load_weights`' names: the en
 `AutoWeightsLoader` skips a tied alias or an unexpected bias), or one that wrote a parameter the
 worker's last whole update did not load, makes the update untrusted — the worker holds θ_version's
 patches as far as they went, and the trainer's next sync sends θ whole (pace/weights/sync.py).
+
+Fingerprints (pace/weights/fingerprint.py). The engine cannot fingerprint what it holds after a
+patch (fused, TP-sharded runtime tensors), but a fingerprint is a sum of per-position terms, so the
+worker advances its fingerprints of what it received for θ_base (a whole update's, or those advanced
+by earlier patches): each patched tensor's moves by the terms of the values received less θ_base's
+terms at the same positions, which the trainer sends with the patches (one integer a tensor:
+`Plan.base_sums`, pace/weights/delta.py). So after a delta the worker reports θ_version's fingerprints
+as after a whole sync, and the trainer judges them the same way: an engine whose θ_base was not the
+trainer's, or that received other values or positions, differs from the trainer's θ_version. As for a
+whole sync, what is judged is what the loader received, not what it wrote (that is the name audit).
 """
 from __future__ import annotations
 
@@ -59,6 +69,20 @@ def apply(model: torch.nn.Module, patches: list) -> dict[str, set[str]]:
     for patch in patches:
         written.setdefault(patch.name, set()).update(load_checkpoint_weight_patches(model, [patch]))
     return written
+
+
+def advance(prints: dict[str, int] | None, terms: dict[str, int], names: list[str],
+            base_sums: list[int] | None) -> dict[str, int] | None:
+    """θ_version's fingerprints from θ_base's as this worker received them (``prints``): each patched
+    tensor's (``names``) less θ_base's terms at its positions (``base_sums``, the trainer's) plus the
+    terms of the values received (``terms``, pace/weights/fingerprint.py `terms_at`). None when they
+    cannot be told: no fingerprints of θ_base here, or patches sent without base sums."""
+    if prints is None or base_sums is None:
+        return None
+    out = dict(prints)
+    for name, base in zip(names, base_sums, strict=True):
+        out[name] = out.get(name, 0) - base + terms[name]
+    return out
 
 
 def untrusted(written: dict[str, set[str]], loaded: set[str] | None, base: int | None, version: int | None,

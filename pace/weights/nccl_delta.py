@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferUpdateInfo,
 )
 
-from pace.weights import inplace
+from pace.weights import fingerprint, inplace
 from pace.weights.reload import ExactReload, refresh, shared_parameters
 
 
@@ -46,6 +46,7 @@ class DeltaNCCLUpdateInfo(NCCLWeightTransferUpdateInfo):
     version: int | None = None  # the trainer step of these weights
     base: int | None = None  # patches: the version they apply to
     chunk_bytes: int | None = None  # patches: a worker receives at most this much before applying (None: inplace.CHUNK_BYTES)
+    base_sums: list[int] | None = None  # patches: θ_base's fingerprint terms at each one's positions (delta.Plan)
 
 
 class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine):
@@ -56,7 +57,9 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._kind: str | None = None  # this update's: "whole" or "patches", None before its first receive
-        self._patched: tuple[DeltaNCCLUpdateInfo, dict[str, set[str]]] | None = None  # patches in: what each wrote
+        # patches in: what each wrote, and the fingerprint terms of what was received (queued on the device)
+        self._patched: tuple[DeltaNCCLUpdateInfo, dict[str, set[str]], dict[str, torch.Tensor]] | None = None
+        self._received: int | None = None  # a whole update's version, held once it is checked
         self.held_version: int | None = None  # the version patches may start from (None: none, or not trusted)
 
     def start_weight_update(self) -> None:
@@ -73,9 +76,9 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
         elif self._kind != kind:
             raise RuntimeError("one weight update is either whole tensors or patches, not both")
         if kind == "whole":
-            self.held_version = None
+            self.held_version = self._received = None
             super().receive_weights(update_info)
-            self.held_version = update_info.version
+            self._received = update_info.version  # held once the reload's checks pass (finish_weight_update)
         else:
             self._receive_patches(update_info)
 
@@ -100,6 +103,7 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
         if refused is None:
             self.held_version = None  # until they are in and audited (finish_weight_update)
         written: dict[str, set[str]] = {}
+        terms: dict[str, torch.Tensor] = {}
         device = group.device
         metas = list(zip(info.names, [getattr(torch, d) for d in info.dtype_names], info.shapes, info.num_updates_list,
                          strict=True))
@@ -115,17 +119,22 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
                     received.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=dtype, values=values,
                                                           indices=indices))
                 if refused is None:
+                    if self.fingerprinting:
+                        for p in received:
+                            terms[p.name] = fingerprint.terms_at(p.indices, p.values)
                     for name, params in inplace.apply(self.model, received).items():
                         written.setdefault(name, set()).update(params)
                 del received  # this chunk's buffers go before the next is received
         if refused is not None:
             raise DeltaMismatch(refused)
-        self._patched = (info, written)
+        self._patched = (info, written, terms)
 
     def finish_weight_update(self) -> None:
         kind, self._kind = self._kind, None
         if kind == "whole":
             ExactReload.finish_weight_update(self)
+            received, self._received = self._received, None
+            self.held_version = received if self.failure is None else None  # a failed whole update is no base
             return
         patched, self._patched = self._patched, None
         failures = []
@@ -138,10 +147,12 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
         self.failure = "; ".join(failures) or None
         if patched is None:  # none received
             return
-        info, written = patched
+        info, written, terms = patched
         # the names each patch's loader call wrote against those the last whole update loaded
         loaded = None if self.last_audit is None else self.last_audit.loaded
         self.untrusted = inplace.untrusted(written, loaded, info.base, info.version)
+        if self.fingerprinting:  # θ_version's, advanced from θ_base's as received (one device sync)
+            self.fingerprint = inplace.advance(self.fingerprint, fingerprint.read(terms), info.names, info.base_sums)
         if self.failure is None and self.untrusted is None:
             self.held_version = info.version
 
@@ -151,14 +162,15 @@ class DeltaNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
 
     chunk_bytes: int | None = None  # the engine workers' chunk of patches (`rollout.delta_chunk_mib`; None: theirs)
 
-    def send_patches(self, patches: list, version: int, base: int) -> None:
+    def send_patches(self, patches: list, version: int, base: int, base_sums: list[int] | None = None) -> None:
         """Rank 0: pace/weights/delta.py's patches of θ_version against θ_base, broadcast as vLLM's
-        `SparseNCCLTrainerWeightTransferEngine._broadcast_chunk` does (indices, then values)."""
+        `SparseNCCLTrainerWeightTransferEngine._broadcast_chunk` does (indices, then values);
+        ``base_sums`` (the plan's): the workers advance their fingerprints with them."""
         info = DeltaNCCLUpdateInfo(names=[p.name for p in patches],
                                    dtype_names=[str(p.values.dtype).split(".")[-1] for p in patches],
                                    shapes=[list(p.full_shape) for p in patches],
                                    num_updates_list=[int(p.indices.numel()) for p in patches], version=version, base=base,
-                                   chunk_bytes=self.chunk_bytes)
+                                   chunk_bytes=self.chunk_bytes, base_sums=base_sums)
         from pace.weights.gloo import run_into
 
         self.client.start_weight_update()

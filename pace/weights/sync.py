@@ -173,7 +173,7 @@ class WeightSync:
                 if plan is not None and not plan.full:
                     if self.sender.is_sender:  # the other ranks gave their changes when it was planned
                         self._expect_delta(plan)
-                        self.sender.send_patches(plan.patches, version, self.delta.version)
+                        self.sender.send_patches(plan.patches, version, self.delta.version, plan.base_sums)
                         self._untrusted = self._take_untrusted(fleet)
                 else:
                     self.sender.send_weights()  # every rank: each tensor is a collective under FSDP
@@ -198,11 +198,12 @@ class WeightSync:
         sent.expect(self._sending, prints)
 
     def _expect_delta(self, plan) -> None:
-        """Rank 0: a delta's fingerprints (from the change: pace/weights/delta.py) are expected where
-        the engines fingerprint what they load (gloo: each tensor reloaded whole from the worker's
-        mirror); nccl applies patches in place, unfingerprinted (pace/weights/nccl_delta.py)."""
+        """Rank 0: a delta's fingerprints (from the change: pace/weights/delta.py) are expected, and the
+        engines judged by them as after a whole sync: gloo's workers fingerprint each tensor they reload
+        whole from their mirror; nccl's advance their fingerprints of θ_base by the patches they
+        received and the plan's base sums (pace/weights/inplace.py)."""
         sent = None if self.rollout is None else self.rollout.sent_weights
-        if sent is not None and plan.prints is not None and self.backend == "gloo":
+        if sent is not None and plan.prints is not None and (self.backend == "gloo" or plan.base_sums is not None):
             sent.expect(plan.version, plan.prints)
 
     @staticmethod

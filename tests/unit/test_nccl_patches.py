@@ -324,3 +324,75 @@ def test_after_untrusted_patches_the_next_sync_is_whole_on_every_rank_with_one_w
     assert [v for v, flag in flags if flag] == [3]  # rank 0's decision, every rank's at prepare(3): all reset, all whole
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert warnings == [f"warning: {why}; the next weight sync sends θ whole (rollout.weight_delta)"]
+
+
+def test_after_patches_a_worker_reports_theta_v_s_fingerprints_and_is_judged_as_after_a_whole_sync(pair):
+    """The worker advances its fingerprints of θ_1 as received by the patches it received and the
+    plan's base sums: θ_2's and θ_3's exactly, judged by the trainer's `SentWeights` as a whole sync's
+    are; a value changed on the wire is named."""
+    trainer, worker, policy, _, _ = pair
+    worker.fingerprinting = True  # pace_fingerprint_updates, before the first update
+    sent = fp.SentWeights()
+    tracker = DeltaTracker(policy, torch.float32, full_every=0, max_frac=1.0)
+    prints = _send_whole(trainer, policy, 1)
+    tracker.sent(tracker.plan(1), prints)
+    sent.expect(1, prints)
+    assert worker.fingerprint == prints
+    for version, changes in ((2, [("q.weight", 5, 1.0), ("out.bias", 0, 2.0)]), (3, [("k.weight", 7, -0.5)])):
+        _step(policy, *changes)
+        plan = tracker.plan(version)
+        trainer.send_patches(plan.patches, version, version - 1, plan.base_sums)
+        tracker.sent(plan)
+        sent.expect(version, plan.prints)
+        assert worker.fingerprint == {n: fp.tensor_fingerprint(p.detach()) for n, p in policy.named_parameters()}
+        assert sent.judge(version, [worker.fingerprint]) is None
+
+    _step(policy, ("out.weight", 2, 1.0))
+    plan = tracker.plan(4)
+    plan.patches[0].values[0] += 1.0  # what the worker receives is not what the plan's fingerprints say
+    trainer.send_patches(plan.patches, 4, 3, plan.base_sums)
+    sent.expect(4, plan.prints)
+    assert "1 of 4 tensors differ from the trainer's (first: out.weight)" in str(sent.judge(4, [worker.fingerprint]))
+
+
+def test_patches_sent_without_base_sums_leave_the_worker_without_fingerprints(pair):
+    trainer, worker, policy, _, _ = pair
+    worker.fingerprinting = True
+    tracker = DeltaTracker(policy, torch.float32, full_every=0, max_frac=1.0)
+    tracker.sent(tracker.plan(1), _send_whole(trainer, policy, 1))
+    _step(policy, ("q.weight", 0, 1.0))
+    trainer.send_patches(tracker.plan(2).patches, 2, 1)
+    assert worker.fingerprint is None  # not θ_1's: judged, it would read "has received no weights"
+
+
+def test_a_whole_update_that_failed_its_reload_check_is_no_base_for_patches(pair):
+    """The worker holds a version for patches only once its update passed the reload's checks: a
+    whole update that left a layer short (the run stops on it; a joiner is failed) is not patched on."""
+    from pace.weights.gloo import DeltaMismatch
+
+    trainer, worker, policy, client, _ = pair
+    tracker = DeltaTracker(policy, torch.float32, full_every=0, max_frac=1.0)
+    tracker.sent(tracker.plan(1), None)
+    with torch.no_grad():
+        k = policy.k.weight.detach().clone()
+        del policy.k  # θ_1 without k.weight: the fused qk layer gets 16 of its 24 elements
+    _send_whole(trainer, policy, 1)
+    policy.k = torch.nn.Linear(4, 2, bias=False)
+    with torch.no_grad():
+        policy.k.weight.copy_(k)
+    assert client.reports[-1].startswith("weight update incomplete: qk got 16 of 24 elements")
+    assert worker.held_version is None
+    _step(policy, ("q.weight", 0, 1.0))
+    with pytest.raises(DeltaMismatch, match="holds no version to patch"):
+        trainer.send_patches(tracker.plan(2).patches, 2, 1)
+
+
+def test_the_trainer_expects_fingerprints_of_an_nccl_delta_that_carries_base_sums():
+    from pace.weights.delta import Plan
+    from pace.weights.sync import WeightSync
+
+    for backend, base_sums, judged in (("nccl", [7], True), ("nccl", None, False), ("gloo", None, True)):
+        sent = fp.SentWeights()
+        sync = SimpleNamespace(rollout=SimpleNamespace(sent_weights=sent), backend=backend)
+        WeightSync._expect_delta(sync, Plan(5, False, "delta", prints={"w": 3}, base_sums=base_sums))
+        assert sent.expects(5) is judged, backend
