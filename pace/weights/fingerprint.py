@@ -16,7 +16,9 @@ What is compared. The trainer's side: each tensor as it is sent (`CastSource`: t
 the engine dtype, gathered whole; named as the checkpoint names it), on trainer rank 0's device;
 only the pass that sends (a checkpoint's copy of θ is not fingerprinted).
 The engines' side: each tensor the serving model's `load_weights` receives during the update, on
-the engine worker's device, in every worker (each receives whole tensors and shards them itself);
+the engine worker's device, in every worker (each receives whole tensors and shards them itself; a
+worker that patches in place, nccl's delta, advances those of θ_base by the patches it received:
+pace/weights/inplace.py);
 pace/weights/reload.py takes them in the same wrapper whose names its audit reads, which every
 backend's receive path goes through (shm, gloo, nccl, ipc, in-process or not, HTTP servers). The
 worker also says whether that model is the one its runner serves. What is checked is therefore

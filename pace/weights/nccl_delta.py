@@ -16,11 +16,17 @@ One engine backend takes both kinds, so a server started by scripts/launch_rollo
 needs nothing new. vLLM's own sparse engine takes only patches (its full syncs would have to be
 patches of every element: 3× the bytes in bf16), and its trainer side opens a second NCCL group.
 
-What is not checked on this path: the fingerprints of a patch update (the engine holds the
-patched tensors in runtime coordinates — fused, TP-sharded — so it cannot fingerprint them as
-checkpoint tensors without inverting each loader); the trainer does not expect fingerprints for
-such versions (pace/weights/sync.py), the full syncs (every `rollout.full_sync_every`) are
-checked, and the on-policy mismatch guard runs at every step.
+What a patch update is checked by (pace/weights/inplace.py): it is received and applied in chunks of
+`rollout.delta_chunk_mib`, not held on the GPU whole; each patch's loader call reports the parameters
+it wrote, and a patch that wrote none (or one the last whole update did not load) makes the update
+untrusted — reported through the reload check (`take_failure`: {"untrusted": line}), the trainer's
+next sync whole; a worker takes patches only on a version whose update passed its checks
+(`held_version`, the patches' base compared before anything is applied); and it advances its
+fingerprints of θ_base by what it received, so the trainer judges the engines after a delta as after
+a whole sync (pace/weights/fingerprint.py). Not run on a GPU: NCCL's broadcast, CUDA streams and a real
+model's loaders under NaN-masked patches (tests/unit/test_nccl_patches.py runs this module's logic
+against a stand-in communicator and a toy loader on CPU). MoE models are refused (pace/config_checks.py
+`check_model`): vLLM lays their experts out anew on load.
 """
 from __future__ import annotations
 
@@ -64,6 +70,7 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
 
     def start_weight_update(self) -> None:
         self._kind = None  # the lifecycle starts with the first receive, once its kind is known
+        self.untrusted = None  # this update's, not one left by an update that never finished
 
     def receive_weights(self, update_info: DeltaNCCLUpdateInfo) -> None:
         kind = "whole" if update_info.num_updates_list is None else "patches"
