@@ -26,7 +26,7 @@ from pace import rundir
 from pace.algo.memory_check import check_memory
 from pace.algo.precision import mixed_precision
 from pace.config import register
-from pace.config_checks import check_processes, validate
+from pace.config_checks import check_model, check_processes, validate
 from pace.control import Control
 from pace.errors import ConfigError, DataError, RolloutError, UserError
 from pace.launch import default_group, resolve_device, resolve_model
@@ -110,6 +110,7 @@ def run(cfg: DictConfig) -> None:
 
     with control.main_first():  # rank 0 builds the tiny model (or downloads the hub model) once; the others reuse it
         model_path = resolve_model(cfg, progress)
+    check_model(cfg, placement, model_path)  # what the model itself rules out (delta over nccl on an MoE), one line
     check_memory(cfg, model_path, accelerator, device)  # the trainer's states fit a device, or stop now (one line)
     val_sets = None
     if main_rank:  # bad data fails here, before the trainer and the engine are built

@@ -93,6 +93,9 @@ class RolloutConfig:
     weight_delta: bool = False  # after a full sync, send only the elements whose engine-dtype value changed (docs/weight-sync.md)
     full_sync_every: int = 100  # with weight_delta: a full sync every N versions (0: only at start, resume and engine join)
     delta_max_frac: Optional[float] = None  # with weight_delta: a full sync when more than this fraction changed (null: where the bytes break even)
+    # with weight_delta over nccl: an engine worker receives at most this many MiB of patches (indices and values)
+    # on its GPU before it applies them in place (a tensor whose patch is larger: alone), plus one tensor's staging
+    delta_chunk_mib: int = 512
     max_model_len: int = 256
     max_num_seqs: int = 1024  # sequences the engine runs at once (vLLM max_num_seqs)
     tensor_parallel_size: int = 1

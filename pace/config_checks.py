@@ -1,7 +1,7 @@
 """The constraints on a composed config that its types cannot express, checked once at start and
 raised as one-line `ConfigError`s naming the key(s): `validate` before anything is built (the
-entry points call it), `check_processes` once the number of trainer processes is known.
-The typed schema itself is pace/config.py.
+entry points call it), `check_processes` once the number of trainer processes is known,
+`check_model` once the model's directory is (its config.json). The typed schema itself is pace/config.py.
 """
 from __future__ import annotations
 
@@ -167,6 +167,8 @@ def validate(cfg: DictConfig) -> None:
                           f"got {cfg.rollout.full_sync_every}")
     if cfg.rollout.delta_max_frac is not None and not 0 < cfg.rollout.delta_max_frac <= 1:
         raise ConfigError(f"rollout.delta_max_frac must be in (0, 1] or null, got {cfg.rollout.delta_max_frac}")
+    if cfg.rollout.delta_chunk_mib <= 0:
+        raise ConfigError(f"rollout.delta_chunk_mib must be > 0, got {cfg.rollout.delta_chunk_mib}")
     if cfg.rollout.max_engine_restarts < 0:
         raise ConfigError(f"rollout.max_engine_restarts must be >= 0, got {cfg.rollout.max_engine_restarts}")
     for key in ("restart_backoff_s", "drain_timeout_s"):
@@ -241,3 +243,46 @@ def check_shares(cfg, world: int) -> None:
     if smallest < world:
         raise ConfigError(f"data.batch_prompts={b} in trainer.mini_batches={n_mini} leaves {max(smallest, 0)} trajectories "
                           f"in the last mini-batch, fewer than the {world} trainer processes: lower trainer.mini_batches")
+
+
+# config.json keys that give a mixture-of-experts model's expert count (Qwen3-MoE / Qwen2-MoE, Mixtral, DeepSeek)
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_model(cfg, placement: Placement, model_path: str) -> None:
+    """What depends on the model itself (every rank, once `model.path` is resolved to a directory).
+
+    Delta sync over nccl is refused on a mixture-of-experts model: its patches index the checkpoint's
+    layout (per-expert or fused `experts.*` tensors) and are applied in place through vLLM's loader
+    (pace/weights/nccl_delta.py), but vLLM lays the experts out anew on load (`FusedMoE`: w13/w2 stacked
+    over the experts, per expert-parallel rank), and `load_checkpoint_weight_patches` has not been
+    shown to land a NaN-masked expert tensor right there (one final same-shaped copy per destination,
+    its contract: vllm/model_executor/model_loader/checkpoint_weight_patch.py). Until a GPU run shows it,
+    whole syncs only. gloo is not refused: its workers patch a mirror in the checkpoint's layout and
+    reload every tensor whole (pace/weights/gloo.py)."""
+    if not (cfg.rollout.weight_delta and placement.transfer == "nccl"):
+        return
+    experts = expert_count(model_path)
+    if experts is not None:
+        key, n = experts
+        raise ConfigError(f"rollout.weight_delta=true over rollout.weight_transfer=nccl: {model_path} is a "
+                          f"mixture-of-experts model ({key}={n}), whose experts vLLM lays out anew on load (FusedMoE), "
+                          "while the patches index the checkpoint's layout and are not shown to apply there: "
+                          "set rollout.weight_delta=false")
+
+
+def expert_count(model_path: str) -> tuple[str, int] | None:
+    """(the key, its value) of a mixture-of-experts model's expert count in its config.json (or its
+    text_config), or None: a dense model, or no config.json to read."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    for part in (config, config.get("text_config") or {}):
+        for key in EXPERT_KEYS:
+            if isinstance(part.get(key), int) and part[key] > 0:
+                return key, part[key]
+    return None

@@ -39,6 +39,7 @@ class Fleet(abc.ABC):
     fails the run."""
 
     version: int | None = None  # the label of the weights loaded (vLLM stamps each token with it)
+    _untrusted: str | None = None  # the last update's patches are no base for the next (`take_untrusted`)
     device_type: str = "cpu"  # the engines' device
     in_process = False  # every engine steps in this process (the rollout's stamps are exact at stream_interval 1)
     needs_regroup = False  # an engine was taken out: the weight-transfer group is formed again
@@ -165,19 +166,25 @@ class Fleet(abc.ABC):
     def end_update(self, version: int | None) -> None:
         """Finish the update on every engine, then fail it (`IncompleteWeightUpdate`, the version
         label unchanged) if any worker's checks found layers without the sent weights; the
-        engines are resumed either way."""
-        from pace.weights.reload import IncompleteWeightUpdate
+        engines are resumed either way. Patches that loaded but that a worker does not trust as the
+        base of the next (pace/weights/inplace.py) are kept for the weight sync (`take_untrusted`)."""
+        from pace.weights.reload import IncompleteWeightUpdate, split_reports
 
         try:
             self._finish_update()
-            failures = [f for f in self._update_failures() if f]
+            failures, untrusted = split_reports(self._update_failures())
             if failures:
-                more = f" (and {len(failures) - 1} more workers)" if len(failures) > 1 else ""
-                raise IncompleteWeightUpdate(failures[0] + more)
+                raise IncompleteWeightUpdate(failures[0] + _more(failures))
+            self._untrusted = untrusted[0] + _more(untrusted) if untrusted else None
             if version is not None:
                 self.set_version(version)
         finally:
             self._resume()
+
+    def take_untrusted(self) -> str | None:
+        """Why the last update is not the base of a delta (one line: a worker's, and how many more), or None; cleared."""
+        untrusted, self._untrusted = self._untrusted, None
+        return untrusted
 
     @abc.abstractmethod
     def _finish_update(self) -> None:
@@ -185,7 +192,8 @@ class Fleet(abc.ABC):
 
     @abc.abstractmethod
     def _update_failures(self) -> list:
-        """Each worker's reload check of the update (pace/weights/reload.py): a message, or None."""
+        """Each worker's reload check of the update (pace/weights/reload.py): a message, {"untrusted": a
+        message} (`split_reports`), or None."""
 
     @abc.abstractmethod
     def _resume(self) -> None:
@@ -201,6 +209,10 @@ class Fleet(abc.ABC):
     @abc.abstractmethod
     def fingerprints(self) -> list:
         """Each worker's fingerprints of its last update, in engine order."""
+
+
+def _more(lines: list) -> str:
+    return f" (and {len(lines) - 1} more workers)" if len(lines) > 1 else ""
 
 
 class EngineFleet(Fleet):

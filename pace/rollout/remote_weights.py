@@ -176,12 +176,15 @@ class RemoteWeightsMixin:
     def _update_failures(self) -> list:
         """The reload checks of the servers in service; a joiner whose check failed is failed
         (brought back again: pace/rollout/healing.py), not the update."""
+        from pace.weights.reload import split_reports
+
         joining = set(self.joining())
         failures = []
         for i, found in self._rpc_by_server("pace_weight_update_failure", "the reload check").items():
             found = [f for f in found if f]
-            if i in joining and found:
-                self._fail(self.servers[i], f"its catch-up update did not load: {found[0]}")
+            failed, _ = split_reports(found)  # a catch-up is whole: only a failure fails the joiner
+            if i in joining and failed:
+                self._fail(self.servers[i], f"its catch-up update did not load: {failed[0]}")
             else:
                 failures += found
         return failures

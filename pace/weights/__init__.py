@@ -10,6 +10,8 @@ and the checks that the engines compute with it.
     transfer.py     vLLM weight transfer: the `pace_shm` backend (both sides), the engines' worker
                     extension, the backends' registration; gloo.py: the NCCL protocol over TCP
     reload.py       the engine worker's checked reload (tied head re-processed, incomplete updates fail)
+    delta.py        delta sync, the trainer's side: which elements changed, as sparse patches; nccl_delta.py
+                    the nccl engines' patch updates, inplace.py their chunks, name audit and fingerprints
     fingerprint.py  what each engine's loader received against what the trainer sent, after every sync
     mismatch.py     the run-time on-policy mismatch guard
 

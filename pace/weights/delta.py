@@ -61,6 +61,9 @@ class Plan:
     total: int = 0  # elements of θ
     patches: list[Patch] = field(default_factory=list)
     prints: dict[str, int] | None = None  # rank 0: θ_version's fingerprints (a delta's, from the change)
+    # rank 0, a delta with fingerprints: per patch, θ_base's fingerprint terms at its positions — what an
+    # engine worker patching in place needs to advance its own fingerprints of θ_base (pace/weights/inplace.py)
+    base_sums: list[int] | None = None
     value_bytes: int = 4
 
     @property
@@ -219,6 +222,10 @@ class DeltaTracker:
                 plan.patches.append(Patch(entry.name, pos[order].to(torch.int32), vals[order], entry.shape))
         if self.fingerprints and self.prints is not None and _rank(self.group) == 0:
             plan.prints = {e.name: self.prints[e.name] + int(c) for e, c in zip(entries, change.tolist())}
+            # θ_v − θ_base = (new terms) − (old terms) at the changed positions: the old, from the other two
+            new = torch.stack([fingerprint.terms_at(p.indices, p.values) for p in plan.patches]).tolist() \
+                if plan.patches else []
+            plan.base_sums = [self.prints[p.name] + t - plan.prints[p.name] for p, t in zip(plan.patches, new)]
         return plan
 
     def sent(self, plan: Plan, prints: dict[str, int] | None = None) -> None:

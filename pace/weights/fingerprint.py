@@ -16,7 +16,9 @@ What is compared. The trainer's side: each tensor as it is sent (`CastSource`: t
 the engine dtype, gathered whole; named as the checkpoint names it), on trainer rank 0's device;
 only the pass that sends (a checkpoint's copy of θ is not fingerprinted).
 The engines' side: each tensor the serving model's `load_weights` receives during the update, on
-the engine worker's device, in every worker (each receives whole tensors and shards them itself);
+the engine worker's device, in every worker (each receives whole tensors and shards them itself; a
+worker that patches in place, nccl's delta, advances those of θ_base by the patches it received:
+pace/weights/inplace.py);
 pace/weights/reload.py takes them in the same wrapper whose names its audit reads, which every
 backend's receive path goes through (shm, gloo, nccl, ipc, in-process or not, HTTP servers). The
 worker also says whether that model is the one its runner serves. What is checked is therefore
@@ -59,6 +61,7 @@ P = 32749  # prime below 2^15: |int16 · w| < 2^30 (int32), a chunk's sum < 2^52
 A = 40503
 CHUNK = P * 128  # a multiple of P: every chunk has the same weights (~4.2M elements, ~17 MB of int32)
 KEEP = 4  # versions of sent fingerprints kept (an engine found one is named by how far behind it is)
+SLICE = 1 << 20  # elements `terms_at` weighs at once (its int64 temporaries: ~24 MB in bf16)
 
 _weights: dict[torch.device, torch.Tensor] = {}  # w_i for one chunk, by device: made once, kept for the process
 
@@ -109,14 +112,25 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.view(torch.uint8)
 
 
+def terms_at(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The fingerprint's terms (bits · w_i) of a tensor's elements at flat ``positions`` holding
+    ``values`` (1-D, one per position), summed: a 0-d int64 tensor on their device, not read. Over
+    every position it is the tensor's fingerprint; a patch moves it by the new values' terms less the
+    old ones' (`change_at`). `SLICE` elements at a time: its temporaries stay small whatever the patch."""
+    per = max(1, values.element_size() // 2)  # words per element
+    total = torch.zeros((), dtype=torch.int64, device=values.device)
+    for start in range(0, positions.numel(), SLICE):
+        pos = positions[start : start + SLICE].to(device=values.device, dtype=torch.int64)
+        words = (pos.unsqueeze(1) * per + torch.arange(per, device=values.device)).reshape(-1)
+        total += (_words(values[start : start + SLICE]).to(torch.int64) * (words * A % P + 1)).sum(dtype=torch.int64)
+    return total
+
+
 def change_at(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """How a tensor's fingerprint changes (a 0-d int64 tensor on their device, not read) when its
     elements at flat ``positions`` go from ``old`` to ``new`` (pace/weights/delta.py: θ_v's
     fingerprints from a delta, without a pass over the whole tensor)."""
-    per = max(1, old.element_size() // 2)  # words per element
-    words = (positions.to(torch.int64).unsqueeze(1) * per + torch.arange(per, device=positions.device)).reshape(-1)
-    diff = _words(new).to(torch.int64) - _words(old).to(torch.int64)
-    return (diff * (words * A % P + 1)).sum(dtype=torch.int64)
+    return terms_at(positions, new) - terms_at(positions, old)
 
 
 def tensor_fingerprint(t: torch.Tensor) -> int:

@@ -226,10 +226,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         future.result()
         self.client.finish_weight_update()
 
-    def send_patches(self, patches: list, version: int, base: int) -> None:
+    def send_patches(self, patches: list, version: int, base: int, base_sums: list[int] | None = None) -> None:
         """Rank 0: the changed elements of θ_version against θ_base (pace/weights/delta.py's
         `Patch`es: name, int32 flat indices, values, full shape), as vLLM's sparse_nccl engine
-        broadcasts them (indices, then values, per tensor)."""
+        broadcasts them (indices, then values, per tensor). ``base_sums``: not needed here (the
+        workers fingerprint every tensor they reload whole from their mirror)."""
         info = GlooUpdateInfo(names=[p.name for p in patches],
                               dtype_names=[str(p.values.dtype).split(".")[-1] for p in patches],
                               shapes=[list(p.full_shape) for p in patches],

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+UNTRUSTED = "untrusted"  # a worker's report of an update that loaded but is no base for patches: {UNTRUSTED: line}
 
 
 class IncompleteWeightUpdate(RuntimeError):
@@ -63,6 +64,15 @@ class Audit:
         more = f" and {len(self.missing) - limit} more" if len(self.missing) > limit else ""
         return (f"weight update incomplete: {shown}{more} ({len(self.missing)} layers without the sent weights; "
                 "the trainer's source must name every parameter of the engine's model)")
+
+
+def split_reports(reports: list) -> tuple[list[str], list[str]]:
+    """The workers' reload checks of one update (`take_failure`'s, through `pace_weight_update_failure`:
+    None, a failure's line, or {"untrusted": line}) as (failures: the update failed; untrusted: it
+    loaded, but a delta on it is not trusted, so the next sync sends θ whole)."""
+    failures = [r for r in reports if isinstance(r, str) and r]
+    untrusted = [r[UNTRUSTED] for r in reports if isinstance(r, dict) and r.get(UNTRUSTED)]
+    return failures, untrusted
 
 
 def shared_parameters(model: torch.nn.Module) -> dict[int, list[str]]:
@@ -159,6 +169,7 @@ class ExactReload:
         self._loaded: set[str] | None = None
         self.last_audit: Audit | None = None
         self.failure: str | None = None
+        self.untrusted: str | None = None  # an update that loaded but is no base for patches (pace/weights/inplace.py)
         self.fingerprinting = False
         self._prints = None  # this update's, while it runs
         self.fingerprint: dict[str, int] | None = None
@@ -202,10 +213,14 @@ class ExactReload:
                 failures.append(str(exc))
         self.failure = "; ".join(failures) or None
 
-    def take_failure(self) -> str | None:
-        """What the last update left undone (one line), or None; cleared."""
-        failure, self.failure = self.failure, None
-        return failure
+    def take_failure(self) -> str | dict | None:
+        """What the last update left undone (one line), else {"untrusted": why} when it loaded but a
+        delta on it is not to be trusted (`split_reports`), else None; cleared."""
+        failure, untrusted = self.failure, self.untrusted
+        self.failure = self.untrusted = None
+        if failure:
+            return failure
+        return {UNTRUSTED: untrusted} if untrusted else None
 
 
 def _fingerprinted(weights, prints):

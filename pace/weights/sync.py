@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
 
 import torch
 
@@ -63,6 +64,7 @@ class WeightSync:
         self.plan = None  # the last sync's plan (delta.Plan; rollout.weight_delta), logged as sync/*
         self._full_prints: dict | None = None  # rank 0: the fingerprints of the last full pass sent
         self._due = False  # rank 0: the group is formed again at the next publish (decided when it was planned)
+        self._untrusted = False  # rank 0: the last patches are no base for the next (pace/weights/inplace.py): whole next
         if self.backend == transfer.BACKEND:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
             self.sender = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
@@ -103,7 +105,10 @@ class WeightSync:
             self.delta.reset()  # a (re)formed group: the engines in it get whole tensors next
         if self.rollout is not None and self._client is None:
             self._client = BlockingClient(self.rollout, label=True)  # one for the run: a regroup keeps its state
-        return Engine.trainer_init(info, client=None if self.rollout is None else self._client, source=self.source)
+        engine = Engine.trainer_init(info, client=None if self.rollout is None else self._client, source=self.source)
+        if self.backend == "nccl":  # the engine workers' chunk of patches applied in place (pace/weights/inplace.py)
+            engine.chunk_bytes = self.cfg.rollout.delta_chunk_mib << 20
+        return engine
 
     def prepare(self, version: int) -> None:
         """shm: every rank materialises θ, rank 0 writes it into a slot (the engines go on with
@@ -115,7 +120,9 @@ class WeightSync:
         # whole when the group is formed again at this update (a server joins or was lost: rank 0 decides)
         self.plan = None
         if self.delta is not None:
-            if self.decide(self._regroup_due(admit=True)):
+            due = self._regroup_due(admit=True)
+            untrusted, self._untrusted = self._untrusted, False  # the engines' weights are not known exactly
+            if self.decide(due or untrusted):
                 self.delta.reset()
             self.plan = self.delta.plan(version)
         if self._update is not None:
@@ -165,7 +172,8 @@ class WeightSync:
                 if plan is not None and not plan.full:
                     if self.sender.is_sender:  # the other ranks gave their changes when it was planned
                         self._expect_delta(plan)
-                        self.sender.send_patches(plan.patches, version, self.delta.version)
+                        self.sender.send_patches(plan.patches, version, self.delta.version, plan.base_sums)
+                        self._untrusted = self._take_untrusted(fleet)
                 else:
                     self.sender.send_weights()  # every rank: each tensor is a collective under FSDP
                 if plan is not None:
@@ -189,12 +197,24 @@ class WeightSync:
         sent.expect(self._sending, prints)
 
     def _expect_delta(self, plan) -> None:
-        """Rank 0: a delta's fingerprints (from the change: pace/weights/delta.py) are expected where
-        the engines fingerprint what they load (gloo: each tensor reloaded whole from the worker's
-        mirror); nccl applies patches in place, unfingerprinted (pace/weights/nccl_delta.py)."""
+        """Rank 0: a delta's fingerprints (from the change: pace/weights/delta.py) are expected, and the
+        engines judged by them as after a whole sync: gloo's workers fingerprint each tensor they reload
+        whole from their mirror; nccl's advance their fingerprints of θ_base by the patches they
+        received and the plan's base sums (pace/weights/inplace.py)."""
         sent = None if self.rollout is None else self.rollout.sent_weights
-        if sent is not None and plan.prints is not None and self.backend == "gloo":
+        if sent is not None and plan.prints is not None and (self.backend == "gloo" or plan.base_sums is not None):
             sent.expect(plan.version, plan.prints)
+
+    @staticmethod
+    def _take_untrusted(fleet) -> bool:
+        """Rank 0, after patches loaded: whether a worker does not trust them as the base of the next
+        (a patch that reached no parameter, or one the whole update did not load: pace/weights/inplace.py);
+        then one warning, and the next sync sends θ whole (`prepare`)."""
+        why = None if fleet is None else fleet.take_untrusted()
+        if why is None:
+            return False
+        print(f"warning: {why}; the next weight sync sends θ whole (rollout.weight_delta)", file=sys.stderr, flush=True)
+        return True
 
     def _regroup_due(self, admit: bool) -> bool:
         """Rank 0, server mode: whether the group is formed again at this update (a server failed or

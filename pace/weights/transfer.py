@@ -139,8 +139,9 @@ class WorkerExtension:
     """`worker_extension_cls` of the engines: importing this module registers the backends in the
     worker process (the weight-transfer RPCs are vLLM's own); one call of its own."""
 
-    def pace_weight_update_failure(self) -> str | None:
-        """What this worker's last weight update left undone (pace/weights/reload.py), or None."""
+    def pace_weight_update_failure(self) -> str | dict | None:
+        """What this worker's last weight update left undone (pace/weights/reload.py), or
+        {"untrusted": why} for patches that loaded but are no base for the next (`ExactReload.take_failure`)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return engine.take_failure() if isinstance(engine, ExactReload) else None
 

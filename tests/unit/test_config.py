@@ -148,6 +148,7 @@ def test_preset_with_typo_or_wrong_type_fails_naming_the_key(tmp_path: Path, bod
         (["algo=m2po", "algo.is_correction=tis", "algo.is_threshold=2"], "algo.is_correction"),
         (["algo=m2po", "algo.m2po_variant=clip"], "algo.m2po_variant"),
         (["rollout.control_port=70000"], "rollout.control_port"),
+        (["rollout.delta_chunk_mib=0"], "rollout.delta_chunk_mib"),
     ],
 )
 def test_validate_rejects_and_names_the_key(overrides: list[str], key: str) -> None:
@@ -349,3 +350,30 @@ def test_target_pool_is_n_star_with_null_meaning_b():
     assert target_pool({"pace": {"target_pool": None}, "data": {"batch_prompts": 32}}) == 32
     assert target_pool({"pace": {"target_pool": 0}, "data": {"batch_prompts": 32}}) == 0  # a value, not "unset"
     assert target_pool({"data": {}}) is None  # a logged config without the keys: unknown
+
+
+def test_delta_over_nccl_is_refused_at_start_on_a_mixture_of_experts_model(tmp_path: Path) -> None:
+    """The 30B-A3B preset's model (transformers' own Qwen3-MoE config, as its config.json has it):
+    nccl patches index the checkpoint's layout, vLLM re-lays the experts out (FusedMoE). Whole syncs,
+    gloo's delta (a mirror in the checkpoint's layout, reloaded whole) and a dense model go on."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from pace.config_checks import check_model
+
+    moe, hub, dense = tmp_path / "moe", tmp_path / "hub", tmp_path / "dense"
+    Qwen3MoeConfig(num_experts=128).save_pretrained(moe)  # transformers 5 writes it as num_local_experts
+    hub.mkdir()  # the hub's Qwen3-30B-A3B-Base/config.json, written by an older transformers
+    (hub / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8}')
+    Qwen3Config().save_pretrained(dense)
+    cfg = compose_cfg(["+exp=pace_qwen3_30b_a3b", "rollout.weight_delta=true"])
+    nccl, gloo = SimpleNamespace(transfer="nccl"), SimpleNamespace(transfer="gloo")
+    for path, key in ((moe, "num_local_experts"), (hub, "num_experts")):
+        with pytest.raises(ConfigError, match=rf"^rollout\.weight_delta=true over rollout\.weight_transfer=nccl: .*{path.name} "
+                                              rf"is a mixture-of-experts model \({key}=128\), .*: set rollout\.weight_delta=false$"):
+            check_model(cfg, nccl, str(path))
+    check_model(cfg, gloo, str(moe))
+    check_model(cfg, nccl, str(dense))
+    cfg.rollout.weight_delta = False
+    check_model(cfg, nccl, str(moe))

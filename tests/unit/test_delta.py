@@ -172,3 +172,36 @@ def test_a_nan_among_the_changes_is_sent_whole():
         model[1].bias[0] = float("nan")
     plan = tracker.plan(2)
     assert (plan.full, plan.reason, plan.changed) == (True, "nan", 1)
+
+
+def _terms(positions: torch.Tensor, values: torch.Tensor) -> int:
+    """The fingerprint's definition (pace/weights/fingerprint.py), term by term: each element's int16
+    words times w_i = (i·A mod P) + 1 at the word's position i in the whole tensor."""
+    from pace.weights.fingerprint import A, P
+
+    per = values.element_size() // 2
+    words = values.contiguous().view(torch.int16).tolist()
+    return sum(words[k * per + r] * (((pos * per + r) * A) % P + 1)
+               for k, pos in enumerate(positions.tolist()) for r in range(per))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_delta_carries_theta_base_s_fingerprint_terms_at_each_patch_s_positions(dtype):
+    """An engine worker that patches in place (nccl) advances its own fingerprints of θ_base with
+    them (pace/weights/inplace.py): per patch, the terms of θ_base's elements at its positions."""
+    model = _model()
+    tracker = DeltaTracker(model, dtype, full_every=0, max_frac=1.0)
+    held = _casts(model, dtype)
+    tracker.sent(tracker.plan(1), _prints(held))
+    _adamw_step(model, lr=1e-3)
+    plan = tracker.plan(2)
+    assert not plan.full and len(plan.base_sums) == len(plan.patches) == 4
+    for patch, base in zip(plan.patches, plan.base_sums):
+        assert base == _terms(patch.indices, held[patch.name].view(-1)[patch.indices.long()])
+        # what a worker holding θ_1's fingerprints computes: θ_2's
+        assert _prints(held)[patch.name] - base + _terms(patch.indices, patch.values) == plan.prints[patch.name]
+    unprinted = DeltaTracker(_model(), dtype, full_every=0, max_frac=1.0, fingerprints=False)
+    unprinted.sent(unprinted.plan(1), None)
+    with torch.no_grad():
+        unprinted.model[1].bias[0] += 1.0
+    assert unprinted.plan(2).base_sums is None  # no fingerprints, nothing for the workers to advance

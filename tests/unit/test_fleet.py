@@ -98,6 +98,19 @@ def test_an_incomplete_update_fails_once_naming_the_first_worker_and_the_count()
     assert _calls(log)[-1] == _calls(log, 1)[-1] == "resume_scheduler"  # resumed all the same
 
 
+def test_patches_a_worker_does_not_trust_load_are_labelled_and_kept_for_the_weight_sync():
+    """pace/weights/inplace.py: patches that loaded but wrote into no parameter (or one the whole
+    update did not load) are no failure — the engines hold θ_v's patches as far as they went and are
+    labelled v — but the trainer's next sync must be whole: the first worker's line, and how many more."""
+    log = []
+    why = "weight patches θ_3 → θ_4: 1 of 9 tensors sent were written into no parameter (scale)"
+    fleet = EngineFleet([_LLM(0, log, tp=2, failure={"untrusted": why}), _LLM(1, log)])
+    fleet.set_version(3)
+    fleet.update(4, {})
+    assert fleet.version == 4 and _calls(log)[-1] == "resume_scheduler"
+    assert fleet.take_untrusted() == why + " (and 1 more workers)" and fleet.take_untrusted() is None  # taken once
+
+
 def test_engines_in_this_host_have_the_servers_defaults():
     fleet = EngineFleet([_LLM(0, []), _LLM(1, [], tp=2)])
     assert fleet.alive == [0, 1] and fleet.transfer_workers() == 3  # engines × their TP workers

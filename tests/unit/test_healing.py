@@ -177,6 +177,9 @@ def test_a_joiner_failing_its_reload_check_is_failed_not_the_update(stand_ins, f
     assert not failure.serving  # it held no request: it fails no run, even under on_engine_failure=stop
     fleet.servers[0].state, a.rpc_results = SERVING, ["layer 1 has no weights"]  # a survivor's fails the update
     assert fleet._update_failures() == ["layer 1 has no weights"]
+    b.rpc_results = [{"untrusted": "weight patches θ_1 → θ_2: …"}]  # not a failure: kept for the sync
+    fleet.servers[1].state, a.rpc_results = JOINING, [None]
+    assert fleet._update_failures() == [{"untrusted": "weight patches θ_1 → θ_2: …"}] and fleet.servers[1].state == JOINING
 
 
 def test_a_server_joins_once_it_answers_and_a_duplicate_is_refused(stand_ins, monkeypatch, fleets):
