@@ -402,7 +402,7 @@ class EngineFleet(Fleet):
         self.collective_rpc("pace_fingerprint_updates")
 
     def weights_reloaded(self) -> dict[int, bool]:
-        return {i: any(llm.collective_rpc("pace_weights_reloaded")) for i, llm in enumerate(self.llms)}
+        return {i: any(r["reloaded"] for r in llm.collective_rpc("pace_weights_reloaded")) for i, llm in enumerate(self.llms)}
 
     def fingerprints(self) -> list:
         return self.collective_rpc("pace_weight_fingerprint")

@@ -150,10 +150,11 @@ class WorkerExtension:
         if isinstance(engine, ExactReload):
             engine.fingerprinting = True
 
-    def pace_weights_reloaded(self) -> bool:
-        """Whether the served model has begun a weight update since it loaded its weights from disk
-        (pace/weights/reload.py; the reload probe compares only models that have not)."""
-        return reloaded(self.model_runner.get_model())
+    def pace_weights_reloaded(self) -> dict:
+        """``{"reloaded": bool}``: whether the served model has begun a weight update since it loaded its
+        weights from disk (pace/weights/reload.py; the reload probe compares only models that have not).
+        A dict: a server's `/collective_rpc` returns a scalar result as its str ("False")."""
+        return {"reloaded": reloaded(self.model_runner.get_model())}
 
     def pace_weight_fingerprint(self) -> dict | str | None:
         """The fingerprints of this worker's last finished update (None: none since it started), or
