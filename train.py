@@ -182,12 +182,34 @@ def run(cfg: DictConfig) -> None:
         validation.publish(sync, version, best, rollout, control.decide, keep=cfg.eval.every > 0,
                            best_within=cfg.eval.best_within)
 
-    if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
-        trainer.load(checkpoint)
-    if checkpoint is not None or placement.mode == "server":
-        # the engines start from θ_version (a server may hold an earlier run's weights)
-        sync.prepare(trainer.version)
-        publish(trainer.version)
+    from pace.rollout import reload_probe
+
+    try:
+        # The reload probe (pace/rollout/reload_probe.py): the engines, which loaded θ_0 from disk, are sent
+        # θ_0 again and must compute the same (server runs, resumes, MoE models); before a checkpoint's weights
+        probed = reload_probe.wanted(cfg, placement.mode, checkpoint is not None, model_path)
+        if probed:
+            sync.prepare(0)
+            if main_rank:  # one prompt scored on every engine before the update and after it
+                rollout.arm_reload_probe(only=checkpoint is not None or placement.mode != "server")
+            publish(0)
+            shifted = rollout.reload_probe_result() if main_rank else None
+            if control.decide(shifted is not None):
+                raise shifted or reload_probe.ReloadShift("stopped with rank 0 (the reload probe: rollout.reload_probe)")
+            if checkpoint is not None and sync.delta is not None:
+                sync.delta.reset()  # a resume's θ_version goes whole, as without the probe
+        if checkpoint is not None:  # every rank: weights, optimizer, LR schedule, RNG states
+            trainer.load(checkpoint)
+        if checkpoint is not None or (placement.mode == "server" and not probed):
+            # the engines start from θ_version (a server may hold an earlier run's weights)
+            sync.prepare(trainer.version)
+            publish(trainer.version)
+    except BaseException:  # nothing trained yet, nothing to checkpoint: the engines (servers) started here stop
+        if main_rank:
+            fleet.shutdown(timeout=2.0)
+            grader.close()
+        sync.close()
+        raise
     # What is built by now lives for the run: out of the garbage collector's generations, its
     # collections scan only what the loop allocates (vLLM does so in its engine processes:
     # vllm/utils/gc_utils.py `freeze_gc_heap`); on rank 0 the rollout thread's collections otherwise

@@ -90,6 +90,15 @@ class RolloutConfig:
     # context, the float floor under recompute. One prefill each, ahead of generation. Needs
     # rollout.temperature=1 (vLLM's prompt log-probs are untempered). 0: off
     kv_probe: float = 0.0
+    # The reload probe at the start (pace/rollout/reload_probe.py, docs/weight-sync.md "The reload probe"):
+    # every engine that loaded θ_0 from disk scores one prompt, is sent θ_0 again, and scores it again;
+    # a shift above reload_probe_tolerance stops the run naming the engine (stop), is a warning (warn),
+    # or is not looked for (off). In server runs (θ_0 is published at the start anyway), at a resume
+    # and for MoE models (there one more whole update at the start, before the checkpoint's weights)
+    reload_probe: str = "stop"
+    # the largest |Δ log-prob| over the probe's prompt tokens; null: 1e-5 for model.dtype float32, 1e-2
+    # for bfloat16/float16 (a correct reload moves nothing on bit-reproducible kernels)
+    reload_probe_tolerance: Optional[float] = None
     weight_delta: bool = False  # after a full sync, send only the elements whose engine-dtype value changed (docs/weight-sync.md)
     full_sync_every: int = 100  # with weight_delta: a full sync every N versions (0: only at start, resume and engine join)
     delta_max_frac: Optional[float] = None  # with weight_delta: a full sync when more than this fraction changed (null: where the bytes break even)

@@ -40,6 +40,7 @@ _CHOICES = {
     "rollout.placement": ("separate", "colocate"),
     "rollout.weight_transfer": ("auto", "shm", "nccl", "ipc", "gloo"),
     "rollout.kv_on_update": ("keep", "recompute"),
+    "rollout.reload_probe": ("stop", "warn", "off"),
     "trainer.grad_sync": ("auto", "every", "last"),
     "trainer.master_dtype": ("float32", "bfloat16"),
     "trainer.reduce_dtype": ("float32", "bfloat16"),
@@ -165,6 +166,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.rollout.full_sync_every < 0:
         raise ConfigError(f"rollout.full_sync_every must be >= 0 (0: only when the engines' weights are unknown), "
                           f"got {cfg.rollout.full_sync_every}")
+    if cfg.rollout.reload_probe_tolerance is not None and not cfg.rollout.reload_probe_tolerance > 0:
+        raise ConfigError(f"rollout.reload_probe_tolerance must be > 0 or null (by model.dtype), "
+                          f"got {cfg.rollout.reload_probe_tolerance}")
     if cfg.rollout.delta_max_frac is not None and not 0 < cfg.rollout.delta_max_frac <= 1:
         raise ConfigError(f"rollout.delta_max_frac must be in (0, 1] or null, got {cfg.rollout.delta_max_frac}")
     if cfg.rollout.delta_chunk_mib <= 0:

@@ -302,6 +302,27 @@ def _moved(tiny_model_path, seed: int, scale: float = 0.05):
     return model, [(n, t.detach().clone()) for n, t in model.state_dict().items()]
 
 
+def moe_model(path: Path) -> str:
+    """A tiny random Qwen3-MoE (the architecture of the 30B-A3B presets) with the tiny model's
+    tokenizer, saved at ``path``: what test_reload.py and test_reload_probe.py load into vLLM."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from pace.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    # head_dim 32: vLLM's CPU attention has no kernel for 16 (the engine failed to start, which
+    # test_reload.py's xfail took for the defect until it said which error it expects)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                         norm_topk_prob=True, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 def _batch(tokenizer, model, advantage: float, prompt_text="12+34=?\n"):
     """One group: the worked answer twice, both with the given advantage, behaviour = current policy.
 

@@ -50,8 +50,10 @@ class Fleet(abc.ABC):
 
     # --- requests (the rollout thread) ------------------------------------------------------
     @abc.abstractmethod
-    def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None) -> None:
-        """Send a request; those of one ``group`` key go to one engine (pace/rollout/request_ids.py)."""
+    def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None,
+                    engine: int | None = None) -> None:
+        """Send a request; those of one ``group`` key go to one engine (pace/rollout/request_ids.py);
+        ``engine``: to that engine (in service), whatever the load (the reload probe's, one an engine)."""
 
     @abc.abstractmethod
     def abort_request(self, request_ids: list[str]) -> None: ...
@@ -130,6 +132,12 @@ class Fleet(abc.ABC):
         return None
 
     def fail_engine(self, index: int, cause: str) -> None:
+        raise NotImplementedError
+
+    def weights_reloaded(self) -> dict[int, bool]:
+        """Each engine in service: whether its served model has begun a weight update since it loaded
+        its weights from disk (pace/weights/reload.py `reloaded`; the reload probe compares only those
+        that have not: pace/rollout/reload_probe.py)."""
         raise NotImplementedError
 
     # --- weights (the rollout thread, or the trainer before it starts) ----------------------
@@ -240,8 +248,11 @@ class EngineFleet(Fleet):
         return sum(e.vllm_config.parallel_config.world_size for e in self.engines)  # TP × PP each
 
     # --- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None) -> None:
-        if group is not None and group in self._group_engine:
+    def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None,
+                    engine: int | None = None) -> None:
+        if engine is not None:
+            i = engine
+        elif group is not None and group in self._group_engine:
             i = self._group_engine[group]
         else:
             i = min(range(len(self.engines)), key=self._load.__getitem__)
@@ -401,6 +412,9 @@ class EngineFleet(Fleet):
     def fingerprint_updates(self) -> None:
         """Every worker fingerprints the weights it receives from the next update on (pace/weights/fingerprint.py)."""
         self.collective_rpc("pace_fingerprint_updates")
+
+    def weights_reloaded(self) -> dict[int, bool]:
+        return {i: any(r["reloaded"] for r in llm.collective_rpc("pace_weights_reloaded")) for i, llm in enumerate(self.llms)}
 
     def fingerprints(self) -> list:
         return self.collective_rpc("pace_weight_fingerprint")

@@ -140,11 +140,14 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
         return self._lost
 
     # --- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt: dict, params, priority: int = 0, group: str | None = None,
+                    engine: int | None = None) -> None:
         alive = self.alive
         if not alive:
             raise EngineFailed("no rollout engine is left")
-        i = self._group_engine.get(group) if group is not None else None
+        if engine is not None and engine not in alive:
+            raise EngineFailed(f"rollout engine {engine} ({self.servers[engine].url}) is not in service")
+        i = engine if engine is not None else self._group_engine.get(group) if group is not None else None
         if i is None or not self.servers[i].alive:
             i = min(alive, key=self._load.__getitem__)
             if group is not None:

@@ -223,6 +223,12 @@ class RemoteWeightsMixin:
         """Each server's workers' fingerprints of their last update (pace/weights/fingerprint.py)."""
         return self._rpc("pace_weight_fingerprint", "the weight fingerprints")
 
+    def weights_reloaded(self) -> dict[int, bool]:
+        """Each answering server in the group: whether its served model has loaded an update since it
+        started (a server that served an earlier run, or this run before a resume, has)."""
+        return {i: any(r["reloaded"] for r in found)
+                for i, found in self._rpc_by_server("pace_weights_reloaded", "the reload probe").items()}
+
     def fingerprints_by_engine(self) -> dict[int, list]:
         """`fingerprints`, by server index (a joiner is judged on its own: pace/rollout/worker.py)."""
         return self._rpc_by_server("pace_weight_fingerprint", "the weight fingerprints")

@@ -13,7 +13,8 @@ first character:
 
 `rescore` (pace/rollout/engine.py: tests, evaluation, on an engine the caller steps itself) names
 its requests ``rescore-<i>``, apart from all four: never a rollout request, so one on an engine a
-rollout worker shares is never taken for the worker's (`parse` refuses it like any other id).
+rollout worker shares is never taken for the worker's (`parse` refuses it like any other id). So do
+the reload probe's (pace/rollout/reload_probe.py, before the rollout starts): ``reload-probe-<phase>-<engine>``.
 
 A group's requests are kept on one engine under its group key (``g<group>`` / ``s<group>``; a
 probe, one request, has none); a server's fleet sends each request under a wire id
@@ -51,6 +52,12 @@ def kv_probe(group: int, index: int) -> str:
 def rescore(index: int) -> str:
     """Sequence ``index`` of a `rescore` call (not a rollout request: `parse` refuses it)."""
     return f"rescore-{index}"
+
+
+def reload_probe(phase: str, engine: int) -> str:
+    """The reload probe's request to engine ``engine`` (``phase``: before or after the reload; not a
+    rollout request: `parse` refuses it)."""
+    return f"reload-probe-{phase}-{engine}"
 
 
 def group_key(kind: str, group: int) -> str:

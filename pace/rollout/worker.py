@@ -31,6 +31,8 @@ from pace.rollout.failover import FailoverMixin
 from pace.rollout.fleet import Fleet
 from pace.rollout.generation import GenerationMixin
 from pace.rollout.kv_probe import KvProbeMixin, kv_probe_metrics
+from pace.rollout.reload_probe import STATS as RELOAD_PROBE_STATS
+from pace.rollout.reload_probe import ReloadProbeMixin
 from pace.rollout.rescoring import RescoringMixin
 from pace.rollout.resuming import ResumingMixin
 from pace.rollout.stopping import stop_token_ids
@@ -45,7 +47,7 @@ __all__ = ["RolloutError", "RolloutWorker"]
 
 
 class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, KvProbeMixin, ResumingMixin, FailoverMixin,
-                    ValRequestsMixin, threading.Thread):
+                    ValRequestsMixin, ReloadProbeMixin, threading.Thread):
     def __init__(self, fleet: Fleet, tokenizer, sampler: PromptSampler, pool: Pool, grader, cfg, val_sets: dict | None = None):
         """``fleet``: the engines (`EngineFleet`, e.g. ``EngineFleet([llm])`` for one `LLM`, or `RemoteFleet`)."""
         super().__init__(name="rollout", daemon=True)
@@ -110,6 +112,7 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, KvProbeMixi
                       "resume_cut_tokens": 0, "engine_failures": 0, "failover_requests": 0, "failover_lost_tokens": 0,
                       "orphaned_responses": 0, "weights_checked": 0, "engine_restarts": 0, "engine_joins": 0}
         self._init_kv_probe(cfg)  # rollout.kv_probe: its state and counters
+        self.stats |= RELOAD_PROBE_STATS  # rollout.reload_probe at the start (pace/rollout/reload_probe.py)
         # rescore pooled prefixes after each update for policies that ask for the PFS (PACE, and any
         # policy under pool.record_effective: pace/pool/recording.py)
         self.prefix_tokens = cfg.pace.prefix_tokens if reads_pfs(pool.policy) else 0
@@ -387,6 +390,8 @@ class RolloutWorker(GenerationMixin, ToolTurnsMixin, RescoringMixin, KvProbeMixi
         self._promote(joining)  # caught up (and checked, if fingerprinted): they take requests from here on
         if self.fleet.in_process:
             self.fleet.reset_prefix_cache_if_idle()  # old entries are unreachable (salted); free them
+        if self._reload_probe is not None and self._reload_probe_after():  # before any request under θ_version
+            return  # the probe's own update (θ_0 again, before the run's first): nothing is due on it
         if self.prefix_tokens:
             self._start_rescoring()
         self._maybe_validate(weights)

@@ -37,12 +37,22 @@ registers checked variants of vLLM's nccl and ipc engines and its own shm engine
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 UNTRUSTED = "untrusted"  # a worker's report of an update that loaded but is no base for patches: {UNTRUSTED: line}
+
+# The served models that have begun a weight update in this process: their weights may no longer be
+# the ones they loaded from disk (pace/rollout/reload_probe.py compares a reload with that load only)
+_RELOADED: weakref.WeakSet = weakref.WeakSet()
+
+
+def reloaded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has begun a weight update since it was loaded (in this process)."""
+    return model in _RELOADED
 
 
 class IncompleteWeightUpdate(RuntimeError):
@@ -176,6 +186,7 @@ class ExactReload:
 
     def start_weight_update(self) -> None:
         model = self.model
+        _RELOADED.add(model)  # from here on it may hold other weights than its load from disk
         self._shared = shared_parameters(model)
         model.__dict__.pop("load_weights", None)  # a wrapper left by an update that never finished
         load, self._loaded = model.load_weights, set()

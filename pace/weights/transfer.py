@@ -48,7 +48,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from pace.placement import SHM_TRANSFER as BACKEND
 from pace.weights import source
-from pace.weights.reload import ExactReload
+from pace.weights.reload import ExactReload, reloaded
 from pace.weights.update import WeightUpdate
 
 ALIGN = 64  # bytes: every tensor starts at a multiple (views of any dtype are aligned)
@@ -150,6 +150,12 @@ class WorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         if isinstance(engine, ExactReload):
             engine.fingerprinting = True
+
+    def pace_weights_reloaded(self) -> dict:
+        """``{"reloaded": bool}``: whether the served model has begun a weight update since it loaded its
+        weights from disk (pace/weights/reload.py; the reload probe compares only models that have not).
+        A dict: a server's `/collective_rpc` returns a scalar result as its str ("False")."""
+        return {"reloaded": reloaded(self.model_runner.get_model())}
 
     def pace_weight_fingerprint(self) -> dict | str | None:
         """The fingerprints of this worker's last finished update (None: none since it started), or

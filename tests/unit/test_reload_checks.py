@@ -116,3 +116,21 @@ def test_a_padded_vocabulary_expects_only_the_rows_a_checkpoint_has():
     head = SimpleNamespace(shard_indices=shard, embedding_dim=8, has_bias=True)
     assert expected_elements(head, 50_304 * 9) == 50_280 * 9
     assert expected_elements(torch.nn.Linear(4, 4), 20) == 20
+
+
+def test_a_model_counts_as_reloaded_from_the_first_update_it_begins_as_the_workers_rpc_says():
+    """The reload probe compares only engines still holding their load from disk
+    (pace/rollout/reload_probe.py): the worker's RPC answers per served model, as a dict (a server's
+    `/collective_rpc` turns a scalar result into its str: "False" would read as true)."""
+    from types import SimpleNamespace
+
+    from pace.weights import reload
+    from pace.weights.transfer import WorkerExtension
+
+    engine = reload.checked(_Engine)(_Toy())
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: engine.model))
+    assert WorkerExtension.pace_weights_reloaded(worker) == {"reloaded": False}
+    _update(engine.model, {"embed.weight": FULL["embed.weight"]}, engine)  # even one that fails its checks
+    assert engine.take_failure() is not None
+    assert WorkerExtension.pace_weights_reloaded(worker) == {"reloaded": True}
+    assert not reload.reloaded(_Toy())  # another model (another engine in this process) is not
