@@ -308,4 +308,6 @@ def run(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # ranks ≥ 1: a hydra.run.dir / hydra.sweep.dir given here holds nothing of theirs (pace/rundir.py)
+    sys.argv[1:] = rundir.own_argv(sys.argv[1:])
     main()
