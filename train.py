@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pace import checkpoint as ckpt
 from pace import rundir
-from pace.algo.memory_check import check_memory
+from pace.algo.memory_check import check_host_memory, check_memory
 from pace.algo.precision import mixed_precision
 from pace.config import register
 from pace.config_checks import check_processes, validate
@@ -107,6 +107,7 @@ def run(cfg: DictConfig) -> None:
     with control.main_first():  # rank 0 builds the tiny model (or downloads the hub model) once; the others reuse it
         model_path = resolve_model(cfg, progress)
     check_memory(cfg, model_path, accelerator, device)  # the trainer's states fit a device, or stop now (one line)
+    check_host_memory(cfg, model_path, accelerator, gather=control.gather)  # and each node's host, the model's load
     val_sets = None
     if main_rank:  # bad data fails here, before the trainer and the engine are built
         from transformers import AutoTokenizer
