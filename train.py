@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pace import checkpoint as ckpt
 from pace import rundir
-from pace.algo.memory_check import check_memory
+from pace.algo.memory_check import check_host_memory, check_memory
 from pace.algo.precision import mixed_precision
 from pace.config import register
 from pace.config_checks import check_model, check_processes, validate
@@ -112,6 +112,7 @@ def run(cfg: DictConfig) -> None:
         model_path = resolve_model(cfg, progress)
     check_model(cfg, placement, model_path)  # what the model itself rules out (delta over nccl on an MoE), one line
     check_memory(cfg, model_path, accelerator, device)  # the trainer's states fit a device, or stop now (one line)
+    check_host_memory(cfg, model_path, accelerator, gather=control.gather)  # and each node's host, the model's load
     val_sets = None
     if main_rank:  # bad data fails here, before the trainer and the engine are built
         from transformers import AutoTokenizer
@@ -335,4 +336,6 @@ def run(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # ranks ≥ 1: a hydra.run.dir / hydra.sweep.dir given here holds nothing of theirs (pace/rundir.py)
+    sys.argv[1:] = rundir.own_argv(sys.argv[1:])
     main()

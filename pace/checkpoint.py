@@ -54,7 +54,7 @@ RESUMABLE = (
     "reward.workers", "reward.timeout_s", "reward.max_failed_in_row", "device", "tools.workers", "tools.warm",
     "rollout.resume_inflight", "trainer.max_sync_mismatch", "trainer.sync_mismatch_steps", "trainer.sync_fingerprint", "trainer.dist_timeout_s", "trainer.control_timeout_s",
     "rollout.reload_probe", "rollout.reload_probe_tolerance",  # a check at the start, as the two above
-    "trainer.device_memory_gib",
+    "trainer.device_memory_gib", "trainer.host_memory_gib",
     "rollout.weight_delta", "rollout.full_sync_every", "rollout.delta_max_frac", "rollout.delta_chunk_mib",  # how θ travels, not what it is
     "rollout.stream_interval", "rollout.stream_reader",  # how the engines' tokens reach the rollout thread
     "rollout.max_engine_restarts", "rollout.restart_backoff_s", "rollout.drain_timeout_s",  # how the fleet heals

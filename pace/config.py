@@ -303,6 +303,10 @@ class TrainerConfig:
     # gradients and AdamW state to (pace/algo/memory_check.py). null: the GPU's total (less a colocated
     # engine's share); on CPU no check.
     device_memory_gib: Optional[float] = None
+    # Host memory (GiB) of one node that the start-up check holds the trainer's model load to
+    # (pace/algo/memory_check.py check_host_memory). null: what the node has available (MemAvailable,
+    # within the job's cgroup v2 memory limit).
+    host_memory_gib: Optional[float] = None
     cpu_threads: int = 1  # torch intra-op threads of the trainer on CPU
     # Timeouts of the waits between trainer processes (pace/control.py): the trainer's collectives
     # (null: torch's default, 10 min for NCCL, 30 for gloo), and the stop/go decisions and barriers

@@ -101,8 +101,9 @@ def validate(cfg: DictConfig) -> None:
                           f"pool.name={cfg.pool.name} takes its settings from its own keys")
     if cfg.pool.name == "sync" and cfg.rollout.sync_every != 1:
         raise ConfigError("pool.name=sync trains on-policy: it needs rollout.sync_every=1")
-    if cfg.trainer.device_memory_gib is not None and not cfg.trainer.device_memory_gib > 0:
-        raise ConfigError(f"trainer.device_memory_gib must be > 0 or null, got {cfg.trainer.device_memory_gib}")
+    for key in ("device_memory_gib", "host_memory_gib"):
+        if cfg.trainer[key] is not None and not cfg.trainer[key] > 0:
+            raise ConfigError(f"trainer.{key} must be > 0 or null, got {cfg.trainer[key]}")
     if cfg.trainer.dist_timeout_s is not None and cfg.trainer.dist_timeout_s <= 0:
         raise ConfigError(f"trainer.dist_timeout_s must be > 0 or null, got {cfg.trainer.dist_timeout_s}")
     if cfg.rollout.placement == "colocate" and cfg.rollout.weight_transfer == "nccl":

@@ -33,6 +33,16 @@ class Control:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def gather(self, value) -> list:
+        """Every rank's ``value``, in rank order, on every rank (each node's finding, taken together)."""
+        if self.group is None:
+            return [value]
+        import torch.distributed as dist
+
+        out = [None] * dist.get_world_size(group=self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
     def barrier(self) -> None:
         if self.group is not None:
             import torch.distributed as dist

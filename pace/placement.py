@@ -41,13 +41,16 @@ class Placement:
         return SHM_TRANSFER if self.backend == "shm" else self.backend
 
     @classmethod
-    def of(cls, rollout_cfg, device: str, world: int, local_trainers: int | None = None) -> Placement:
+    def of(cls, rollout_cfg, device: str, world: int, local_trainers: int | None = None,
+           node_gpus: int | None = None) -> Placement:
         """The placement `rollout` describes for ``world`` trainer processes on ``device``;
         ``local_trainers``: those on this node, the GPUs engines start after (default: the
         launcher's LOCAL_WORLD_SIZE, else ``world`` for engines, 1 for servers). On CUDA, engines
         placed ``separate`` get GPUs of their own, and so do the servers this run starts whatever
         `rollout.placement` says (their process never shares the trainer's GPU); `rollout.servers`
-        on other hosts get none (each server takes its own share: pace/rollout/server.py)."""
+        on other hosts get none (each server takes its own share: pace/rollout/server.py).
+        Engines placed here must fit this node's ``node_gpus`` (default: the GPUs this process
+        sees, `torch.cuda.device_count()`; unknown without CUDA): else ConfigError (`check_fits`)."""
         mode = engine_mode(rollout_cfg, device, world)
         gpus = None
         own = not rollout_cfg.servers if mode == "server" else rollout_cfg.placement == "separate"
@@ -55,7 +58,51 @@ class Placement:
             fallback = 1 if mode == "server" else world
             local = local_trainers if local_trainers is not None else int(os.environ.get("LOCAL_WORLD_SIZE", fallback))
             gpus = tuple(tuple(g) for g in engine_gpus(rollout_cfg, local))
+            check_fits(rollout_cfg, mode, gpus, local, node_gpus if node_gpus is not None else _visible_gpus())
         return cls(device=device, world=world, mode=mode, backend=backend_kind(rollout_cfg, device), gpus=gpus)
+
+
+def _visible_gpus() -> int | None:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
+def check_fits(rollout_cfg, mode: str, gpus, local: int, node_gpus: int | None) -> None:
+    """Engines placed on this node (``gpus``: each one's ids) need GPUs that exist (< ``node_gpus``;
+    None: not known, not checked) and that none of the ``local`` trainer processes uses (GPUs
+    0 … local − 1, one each). Otherwise the run would load its model and then fail inside an
+    engine's start (a server's log: no such device) or share a trainer's GPU: refused at start,
+    in one line naming the keys and what to do."""
+    ids = sorted({g for engine in gpus for g in engine})
+    missing = [g for g in ids if node_gpus is not None and g >= node_gpus]
+    shared = [g for g in ids if g < local]
+    if not missing and not shared:
+        return
+    r = rollout_cfg
+    sizes = f"rollout.engines={r.engines} × rollout.tensor_parallel_size={r.tensor_parallel_size}"
+    if r.gpus:
+        where = f"rollout.gpus={list(r.gpus)} places {sizes}"
+    elif mode == "server":
+        where = (f"rollout.servers is empty, so the run starts its {sizes} engines as servers on this node, "
+                 f"on GPUs {_span(ids)} after the {local} trainer processes' (the accelerate config's num_processes)")
+    else:
+        where = (f"rollout.placement=separate puts {sizes} on GPUs {_span(ids)} after the {local} trainer "
+                 f"processes' (the accelerate config's num_processes)")
+    if missing:
+        problem = f"this node has {node_gpus} GPUs ({_span(list(range(node_gpus)))})"
+    else:
+        problem = (f"{_span(shared)} {'is' if len(shared) == 1 else 'are'} among the trainer processes' GPUs "
+                   f"({_span(list(range(local)))}: one each)")
+    fix = ("give the URLs of servers on other nodes in rollout.servers (scripts/launch_slurm.sh and "
+           "scripts/launch_hosts.sh start them and pass them), or " if mode == "server" else "")
+    raise ConfigError(f"{where}, but {problem}: {fix}run fewer trainer processes (accelerate launch "
+                      f"--num_processes / the config's num_processes) or fewer engines (rollout.engines, "
+                      f"rollout.tensor_parallel_size), or list free GPUs in rollout.gpus")
+
+
+def _span(ids: list[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)) else ",".join(map(str, ids))
 
 
 def engine_mode(rollout_cfg, device: str, world_size: int) -> str:

@@ -7,7 +7,10 @@ So a run's directory is rank 0's on every rank (train.py broadcasts it over the 
 before anything is written), and ranks ≥ 1 leave Hydra's own output (`.hydra/`, `train.log`,
 its sweep folder) in a temporary directory removed when the process exits: `${pace.rank0_dir:…}`
 in conf/config.yaml. Their log records still reach the console, which the launcher keeps.
-A directory given explicitly (`hydra.run.dir=…`) is every rank's as written.
+A directory given on the command line (`hydra.run.dir=…`, `hydra.sweep.dir=…`) replaces that
+resolver: rank 0 uses it as written, and on ranks ≥ 1 train.py points it at the same temporary
+directory before Hydra reads it (`own_argv`), so no rank ≥ 1 makes a directory of its own there
+(with a `${now:…}` in it, each would name its own).
 
 The rank and world size are read as Accelerate reads them (`get_cpu_distributed_information` in
 accelerate/utils/environment.py): torchrun and `accelerate launch` set RANK and WORLD_SIZE, mpirun
@@ -22,6 +25,7 @@ import shutil
 import tempfile
 
 RESOLVER = "pace.rank0_dir"
+DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir")  # where Hydra writes its output (run; multirun)
 _scratch: str | None = None
 
 
@@ -43,16 +47,38 @@ def world_size() -> int:
     return get_int_from_env(_WORLD_SIZE, 1)
 
 
-def rank0_dir(path: str) -> str:
-    """``path`` on rank 0 or in a one-process world; on ranks ≥ 1 one temporary directory per
-    process, removed at exit."""
+def _redirected() -> bool:
+    """A rank ≥ 1 of a world above one: its Hydra output goes to a temporary directory."""
+    return rank() != 0 and world_size() > 1
+
+
+def _scratch_dir() -> str:
+    """This process's temporary directory for Hydra's output (one per process), removed at exit."""
     global _scratch
-    if rank() == 0 or world_size() <= 1:
-        return path
     if _scratch is None:
         _scratch = tempfile.mkdtemp(prefix=f"pace-rank{rank()}-hydra-")
         atexit.register(shutil.rmtree, _scratch, ignore_errors=True)
     return _scratch
+
+
+def rank0_dir(path: str) -> str:
+    """``path`` on rank 0 or in a one-process world; on ranks ≥ 1 one temporary directory per
+    process, removed at exit."""
+    return _scratch_dir() if _redirected() else path
+
+
+def own_argv(argv: list[str]) -> list[str]:
+    """The command line Hydra reads in this process (``argv`` without the program): as given on
+    rank 0 and in a one-process world; on ranks ≥ 1 each `hydra.run.dir=` / `hydra.sweep.dir=`
+    (also `+`/`++`) set to this process's temporary directory, in place (Hydra's overrides are one
+    run of arguments). The configured default needs nothing: it resolves there already."""
+    if not _redirected():
+        return list(argv)
+    out = []
+    for arg in argv:
+        key, sep, _ = arg.partition("=")
+        out.append(f"{key}={_scratch_dir()}" if sep and key.lstrip("+") in DIR_KEYS else arg)
+    return out
 
 
 def register() -> None:

@@ -15,15 +15,33 @@ The device's memory: `trainer.device_memory_gib` when set; else on CUDA the GPU'
 of it) with `rollout.placement=colocate`. On CPU, unless set, nothing is checked: the host's memory
 is shared with the engines and the OS, and the CPU runs are the tiny ones. FSDP2's CPU offload
 (`fsdp_offload_params: true`) keeps the states in host memory: not checked against the GPU.
+
+Host memory at load (`check_host_memory`). The processes of a node that load the checkpoint hold
+it whole in host memory before `prepare` shards it onto the devices: P × max(the checkpoint's
+bytes, the trained dtype's) each (pace/algo/model_load.py: loaded in the checkpoint's dtype, then
+upcast tensor by tensor; under FSDP2 with mixed precision rank 0 holds the fp32 copy until the
+broadcast ends). Under FSDP2 with `fsdp_cpu_ram_efficient_loading` only rank 0 loads (the others
+build on the meta device: nothing), else every process of the node does (`LOCAL_WORLD_SIZE`).
+Each node's local rank 0 compares its node's sum with the host memory available
+(`trainer.host_memory_gib`, else /proc/meminfo's MemAvailable, within the job's cgroup v2 limit
+where one is set: Slurm's `--mem`, a container's), and every rank stops in one line if any node
+cannot hold it: the 30B-A3B's 30.5 B parameters need 4 bytes each on rank 0's node, 114 GiB,
+where before the meta ranks the 7 others took ~430 GB more (bf16 zeros of the model each). Only the
+trainer's load is counted: the engines (their own nodes in the 30B-A3B preset), the pool and
+FSDP2's offloaded states are not.
 """
 from __future__ import annotations
 
+import functools
+import os
 import sys
+from pathlib import Path
 
 from pace.algo import memory_budget as mb
 from pace.errors import ConfigError
 
 
+@functools.lru_cache(maxsize=4)  # the device check and the host check both ask
 def count_params(model_path: str) -> int:
     """The model's parameters (tied ones once), from its config on the meta device: no weights read."""
     import torch
@@ -74,8 +92,7 @@ def check_memory(cfg, model_path: str, accelerator, device: str) -> None:
     need = mb.optimizer_bytes(params, shards, master)
     where = (f"over {shards} FSDP2 shards" if holder == "FSDP2" else
              f"on each of {accelerator.num_processes} processes (no FSDP: whole on every rank)")
-    count = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
-    line = (f"the trainer's weights, gradients and AdamW state of {count} parameters need {_size(need)} a rank at "
+    line = (f"the trainer's weights, gradients and AdamW state of {_count(params)} parameters need {_size(need)} a rank at "
             f"AdamW's step ({5 * master} bytes a parameter in {'fp32' if master == 4 else f'{8 * master}-bit'}, "
             f"{where}); a device has {_size(memory)} ({source})")
     if need <= memory:
@@ -94,6 +111,97 @@ def check_memory(cfg, model_path: str, accelerator, device: str) -> None:
            f"(fsdp_offload_params: true)" if more else "run under FSDP2 (accelerate launch --config_file "
            "conf/accelerate/fsdp.yaml)")
     raise ConfigError(f"{line}: {fix}; trainer.device_memory_gib overrides the device's size")
+
+
+def host_load(cfg, model_path: str, accelerator) -> tuple[int, str, str]:
+    """(bytes this node's processes hold while they load the model, who loads it, what to do when
+    the node cannot hold that) for this process's node (module docstring)."""
+    from transformers import AutoConfig
+
+    from pace.algo.model_load import checkpoint_dtype, weights_from_rank0
+
+    params = count_params(model_path)
+    per = max(checkpoint_dtype(AutoConfig.from_pretrained(model_path)).itemsize, layout(accelerator, cfg)[1])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+    if weights_from_rank0(accelerator) and accelerator.num_processes > 1:
+        loaders = 1 if accelerator.is_main_process else 0
+        who = (f"rank 0 loads it, {per} bytes a parameter; the node's {local - 1} other processes build it on the "
+               f"meta device" if loaders else "rank 0 loads it, on another node")
+        fix = "free host memory on this node or run rank 0 on a node with more"
+    else:
+        loaders = local
+        who = f"{local} processes load it whole, {per} bytes a parameter each" if local > 1 else f"{per} bytes a parameter"
+        fix = ("under FSDP2 set fsdp_cpu_ram_efficient_loading: true in the accelerate config (only rank 0 loads), "
+               "or run fewer processes on a node, or free host memory" if local > 1 else "free host memory")
+    return loaders * params * per, who, fix
+
+
+def host_memory(cfg, root: str = "/") -> tuple[int | None, str]:
+    """(bytes of host memory the load may take on this node, where the number comes from); None:
+    unknown (no /proc/meminfo), not checked. ``root``: where /proc and /sys are (tests)."""
+    if cfg.trainer.host_memory_gib is not None:
+        return int(cfg.trainer.host_memory_gib * mb.GIB), "trainer.host_memory_gib"
+    try:
+        meminfo = (Path(root) / "proc/meminfo").read_text()
+        available = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None, "unknown"
+    cgroup = _cgroup_room(root)
+    if cgroup is not None and cgroup < available:
+        return cgroup, "the job's cgroup memory.max less its memory in use"
+    return available, "MemAvailable in /proc/meminfo"
+
+
+def _cgroup_room(root: str) -> int | None:
+    """Room left under the tightest cgroup v2 memory limit on this process's path (memory.max less
+    memory.current, its reclaimable file cache not counted as used); None: no limit or no cgroup v2."""
+    base = Path(root) / "sys/fs/cgroup"
+    try:
+        line = next(x for x in (Path(root) / "proc/self/cgroup").read_text().splitlines() if x.startswith("0::"))
+    except (OSError, StopIteration):
+        return None
+    room, path = None, base / line[3:].strip().lstrip("/")
+    while True:
+        try:
+            limit = (path / "memory.max").read_text().strip()
+            if limit != "max":
+                stat = dict(x.split() for x in (path / "memory.stat").read_text().splitlines() if x.count(" ") == 1)
+                used = int((path / "memory.current").read_text()) - int(stat.get("file", 0))
+                room = min(room if room is not None else int(limit), int(limit) - used)
+        except (OSError, ValueError):
+            pass
+        if path == base or base not in path.parents:
+            return room
+        path = path.parent
+
+
+def host_memory_line(cfg, model_path: str, accelerator, available: tuple[int | None, str] | None = None
+                     ) -> tuple[bool, str]:
+    """(does this node hold the model while its processes load it, the line that says so) —
+    ``available``: `host_memory`'s answer, read here when not given; unknown memory passes."""
+    need, who, fix = host_load(cfg, model_path, accelerator)
+    memory, source = available if available is not None else host_memory(cfg)
+    line = (f"loading {cfg.model.path or model_path} ({_count(count_params(model_path))} parameters) takes "
+            f"{_size(need)} of this node's host memory ({who})")
+    if memory is None:
+        return True, f"{line}; its available memory is unknown: not checked"
+    if need <= memory:
+        return True, f"{line}; {_size(memory)} is available ({source})"
+    return False, (f"host memory: {line}, but {_size(memory)} is available ({source}): {fix}; "
+                   f"trainer.host_memory_gib overrides the available size")
+
+
+def check_host_memory(cfg, model_path: str, accelerator, gather=None) -> None:
+    """Every rank: refuse (ConfigError, one line) a run that some node cannot hold while it loads the
+    model. Each node's local rank 0 reads its node's memory; ``gather`` (every rank's value, in rank
+    order, on every rank: `Control.gather`) makes the decision every rank's."""
+    fits, line = host_memory_line(cfg, model_path, accelerator) if accelerator.local_process_index == 0 else (True, "")
+    lines = gather(None if fits else line) if gather is not None else [None if fits else line]
+    problem = next((x for x in lines if x), None)
+    if problem is not None:
+        raise ConfigError(problem)
+    if accelerator.is_main_process:
+        print(f"host memory: {line}", file=sys.stderr, flush=True)
 
 
 def step_estimate(cfg, model_path: str, fsdp: bool) -> int | None:
@@ -115,6 +223,10 @@ def step_estimate(cfg, model_path: str, fsdp: bool) -> int | None:
         print(f"warning: the micro-batch memory estimate (pace/algo/memory_budget.py) was skipped: {cause}",
               file=sys.stderr, flush=True)
         return None
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
 
 
 def _size(nbytes: int) -> str:

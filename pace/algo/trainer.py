@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from pace.algo import correction, m2po, microbatch
+from pace.algo import correction, m2po, microbatch, model_load
 from pace.algo.logprobs import response_logprobs
 from pace.algo.loss import build_loss
 from pace.algo.microbatch import collate
@@ -40,8 +40,6 @@ Pair = tuple[list[int], Trajectory]  # (prompt ids, response)
 
 class DAPOTrainer:
     def __init__(self, model_path: str, cfg, accelerator):
-        from transformers import AutoModelForCausalLM
-
         self.cfg = cfg
         self.acc = accelerator
         t = cfg.trainer
@@ -59,12 +57,11 @@ class DAPOTrainer:
             accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
                 param_dtype=compute, reduce_dtype=getattr(torch, t.reduce_dtype))
         kwargs = {} if cfg.model.attn_implementation is None else {"attn_implementation": cfg.model.attn_implementation}
-        # Loaded in the checkpoint's own dtype ("auto"), then brought to `dtype`. Under FSDP2 with
-        # mixed precision Accelerate upcasts to fp32 in `prepare` after it has moved ranks >= 1 to
-        # meta (fsdp2_prepare_model): loading fp32 here would make transformers fill every rank >= 1
-        # with fp32 zeros of the whole model first (cpu_ram_efficient_loading), 122 GB a rank for the
-        # 30B-A3B; in the checkpoint's bf16 half that, and only rank 0 ever holds an fp32 copy.
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", **kwargs)
+        # In the checkpoint's own dtype, then brought to `dtype`: under FSDP2 with mixed precision by
+        # Accelerate's upcast in `prepare`, one tensor at a time (an fp32 load would hold both). Where
+        # `prepare` broadcasts rank 0's weights (FSDP2, cpu_ram_efficient_loading), ranks >= 1 build
+        # the model on the meta device: no weights, no parameter memory (pace/algo/model_load.py).
+        model = model_load.load(model_path, accelerator, **kwargs)
         if not (accelerator.is_fsdp2 and mixed):
             for p in model.parameters():  # parameters only, as Accelerate's upcast: buffers (rotary) stay as loaded
                 if p.dtype != dtype:

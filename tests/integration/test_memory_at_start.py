@@ -38,6 +38,26 @@ def test_train_refuses_at_start_when_the_states_exceed_the_device(tmp_path, tiny
     assert not (run_dir / "metrics.jsonl").exists()
 
 
+def test_train_refuses_at_start_when_the_host_cannot_hold_the_load(tmp_path, bf16_checkpoint):
+    """check_host_memory in train.py, after the device check and before the trainer loads anything:
+    one process loading a bf16 checkpoint takes its fp32 copy (CPU: no mixed precision, model.dtype
+    float32), 4 bytes a parameter, above a `trainer.host_memory_gib` of 1 KiB."""
+    from pace.algo.memory_check import count_params
+
+    params = count_params(str(bf16_checkpoint))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"model.path={bf16_checkpoint}",
+                           f"trainer.host_memory_gib={1 / 2**20}", "logger.mode=disabled", "logger.progress=false",
+                           f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"error: host memory: loading {bf16_checkpoint} ({params / 1e6:.2f} M parameters) takes "
+                    f"{params * 4 / 2**20:.1f} MiB of this node's host memory (4 bytes a parameter), but 0.0 MiB is "
+                    f"available (trainer.host_memory_gib): free host memory; trainer.host_memory_gib overrides the "
+                    f"available size")
+    assert "run directory:" not in proc.stderr
+
+
 SCRIPT = textwrap.dedent("""
     import json, sys
     import torch

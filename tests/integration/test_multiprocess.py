@@ -166,6 +166,39 @@ def test_fsdp_config_prepares_the_presets_architectures():
     assert all(c["exact"] and c["count"] and c["prints"] and not c["full"] for c in copies), copies
 
 
+def test_fsdp2_ranks_above_0_build_the_model_on_meta_and_train_as_before(tmp_path):
+    """Under FSDP2 with `fsdp_cpu_ram_efficient_loading` (conf/accelerate/*.yaml, as `accelerate
+    launch` sets it), rank 1 builds the model on the meta device: when Accelerate's preparation
+    starts it holds no parameter bytes, where the trainer's load before (every rank
+    `from_pretrained`) held the whole model (transformers' zeros: bf16 for the 30B-A3B, 61 GB on
+    each rank >= 1). After `prepare` both ranks hold the checkpoint's weights upcast to fp32, bit for
+    bit, and a direct load's buffers; a DAPO step gives the load before's loss, gradient norm and
+    weights, bit for bit. A tiny dense and a tiny MoE (the 30B-A3B's architecture) bf16 checkpoint
+    (fsdp_load.py)."""
+    import os
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import smoke_setup
+
+    paths = [smoke_setup.write_model(tmp_path / "dense", {**smoke_setup.QWEN3_8B, **smoke_setup.TINY}, 2, tiny=True),
+             smoke_setup.write_model(tmp_path / "moe", {**smoke_setup.QWEN3_30B_A3B, **smoke_setup.TINY_MOE}, 2, tiny=True)]
+    env = dict(os.environ, FSDP_CPU_RAM_EFFICIENT_LOADING="true", OMP_NUM_THREADS="1")  # as accelerate launch sets it
+    proc = subprocess.run([*torchrun(2), str(ROOT / "tests/integration/fsdp_load.py"), *map(str, paths)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = [json.loads(line[len("LOADED "):]) for line in proc.stdout.splitlines() if line.startswith("LOADED ")]
+    assert [o["path"] for o in outs] == list(map(str, paths))
+    for out in outs:
+        meta, before = out["meta"], out["before"]
+        rank0, rank1 = meta["ranks"]
+        assert rank1["devices"] == ["meta"] and rank1["bytes"] == 0, rank1  # nothing materialised on rank 1
+        assert rank0["devices"] == ["cpu"] and rank0["bytes"] == rank0["whole"] > 0, rank0  # rank 0 loads it, in bf16
+        assert before["ranks"][1]["devices"] == ["cpu"] and before["ranks"][1]["bytes"] == rank0["whole"]  # as it was
+        assert all(r["exact"] and r["buffers"] for r in meta["ranks"] + before["ranks"]), out
+        assert (meta["loss"], meta["grad_norm"]) == (before["loss"], before["grad_norm"]) and out["same_after_step"], out
+        assert meta["grad_norm"] > 0
+
+
 @pytest.mark.parametrize("ending", ["destroy", "end_processes"])
 def test_a_gloo_worker_freeing_tensors_at_the_end_aborts_the_exit_but_not_end_processes(tmp_path, ending):
     """The flaky teardown abort ("terminate called without an active exception" after a program's

@@ -249,3 +249,45 @@ def test_each_server_a_run_starts_compiles_into_a_cache_of_its_own(monkeypatch, 
     monkeypatch.setattr(server.os, "execve", lambda exe, cmd, env: started.append(env))
     server.main(["--engine", "1", "--model", "m", "rollout.engines=2"])
     assert started[0]["VLLM_CACHE_ROOT"] == str(tmp_path / "xdg" / "vllm" / "pace-engine-1")
+
+
+def test_engines_that_do_not_fit_the_node_are_refused_at_start_naming_the_keys(monkeypatch):
+    """The 30B-A3B preset launched on one node of 8 GPUs (`accelerate launch --config_file
+    conf/accelerate/fsdp_8gpu.yaml train.py +exp=pace_qwen3_30b_a3b`, no rollout.servers): its 4
+    servers of TP 2 would get GPUs 8-15 and fail in their logs after the model loaded. Refused by
+    `Placement.of` (every rank, before the model loads) in one line, with a fake GPU count."""
+    from hydra import compose, initialize_config_dir
+
+    from pace.config import register
+    from pace.errors import ConfigError
+    from tests.helpers import ROOT
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["+exp=pace_qwen3_30b_a3b"])
+    r = cfg.rollout
+    assert (r.engine_process, list(r.servers), r.engines, r.tensor_parallel_size) == ("server", [], 4, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # accelerate launch with fsdp_8gpu.yaml's 8 processes
+    with pytest.raises(ConfigError) as err:
+        Placement.of(r, "cuda", 8, node_gpus=8)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("rollout.servers is empty, so the run starts its rollout.engines=4 × "
+                                                "rollout.tensor_parallel_size=2 engines as servers on this node, on GPUs 8-15")
+    assert "this node has 8 GPUs (0-7)" in line and "rollout.servers (scripts/launch_slurm.sh" in line
+    assert "num_processes" in line
+    assert Placement.of(r, "cuda", 8, node_gpus=16).gpus == ((8, 9), (10, 11), (12, 13), (14, 15))  # a 16-GPU node
+    r.servers = [f"http://node1:{8100 + e}" for e in range(4)]  # as the launchers pass them: nothing placed here
+    assert Placement.of(r, "cuda", 8, node_gpus=8).gpus is None
+
+    # separate child engines after the trainer's, and a rollout.gpus list on trainer GPUs
+    r.engine_process, r.servers, r.engines, r.tensor_parallel_size = "child", [], 5, 1
+    with pytest.raises(ConfigError, match=r"^rollout\.placement=separate puts rollout\.engines=5 × "
+                                          r"rollout\.tensor_parallel_size=1 on GPUs 4-8 after the 4 trainer .*"
+                                          r"but this node has 8 GPUs \(0-7\): run fewer trainer processes"):
+        Placement.of(r, "cuda", 4, local_trainers=4, node_gpus=8)
+    r.engines = 4
+    assert Placement.of(r, "cuda", 4, local_trainers=4, node_gpus=8).gpus == ((4,), (5,), (6,), (7,))
+    r.gpus = [2, 5, 6, 7]
+    with pytest.raises(ConfigError, match=r"^rollout\.gpus=\[2, 5, 6, 7\] places .*but 2 is among the trainer "
+                                          r"processes' GPUs \(0-3: one each\)"):
+        Placement.of(r, "cuda", 4, local_trainers=4, node_gpus=8)
