@@ -304,7 +304,7 @@ def _moved(tiny_model_path, seed: int, scale: float = 0.05):
 
 def moe_model(path: Path) -> str:
     """A tiny random Qwen3-MoE (the architecture of the 30B-A3B presets) with the tiny model's
-    tokenizer, saved at ``path``: what test_reload.py and test_reload_probe.py load into vLLM."""
+    tokenizer, saved at ``path``: what test_reload.py and test_reload_probe_run.py load into vLLM."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from pace.tiny import build_tokenizer

