@@ -59,6 +59,30 @@ class Output:
     engine: int | None = None  # the index of the server that produced it (set by RemoteFleet.step)
 
 
+async def post(session, url: str, body: dict, fresh=None):
+    """``session.post(url, json=body)``'s response, its headers arrived (use it as `async with`). A request
+    sent on a pooled connection that the server closed meanwhile (its keep-alive ended while this process
+    was too busy to see it) breaks before any response: it never reached the engine, and is sent once
+    more, on a new connection (``fresh``: a session that pools none; else ``session``) and under an id of
+    its own, so that it cannot meet a first copy the engine may still be aborting. A break after the
+    headers is the caller's: the engine had the request."""
+    import aiohttp
+
+    try:
+        return await session.post(url, json=body)
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        again = {**body, "request_id": f"{body['request_id']}.again"} if "request_id" in body else body
+        return await (fresh or session).post(url, json=again)
+
+
+def fresh_session():
+    """A session whose every request opens a connection of its own (`post`'s second try)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                 timeout=aiohttp.ClientTimeout(total=None, connect=30))
+
+
 def sse_payloads(buf: bytes) -> tuple[list[bytes], bytes]:
     """The payloads of the complete server-sent events in ``buf`` (a streamed response's bytes so
     far), and what is left of it."""

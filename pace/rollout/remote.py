@@ -18,7 +18,8 @@ default (`rollout.stream_reader=process`, pace/rollout/streams.py: their per-tok
 the trainer's GIL); `thread` reads them on that loop. A group's requests go to one server (a shared prompt prefix), as in
 the in-host fleet.
 
-A server that stops answering `/health` (three misses, one second apart), whose process exits,
+A server that stops answering `/health` (three misses, one second apart, while it delivers nothing and is
+not in a weight update), whose process exits,
 whose stream breaks or returns a server error, or that neither delivers output nor makes progress
 for `rollout.engine_timeout_s` while it has requests and is not paused, has failed. Progress is
 tokens, not completions: a validation request (n = k samples, returned whole) or a response shorter
@@ -47,7 +48,7 @@ from pace.rollout import request_ids
 from pace.rollout.fleet import Fleet
 from pace.rollout.healing import HealingMixin
 from pace.rollout.remote_weights import RemoteWeightsMixin
-from pace.rollout.protocol import (GENERATE, Output, completion, completion_from, flat_logprobs, params_json,
+from pace.rollout.protocol import (GENERATE, Output, completion, completion_from, flat_logprobs, params_json, post,
                                    prompt_logprobs_from, sse_payloads)
 from pace.rollout.server_state import (DEAD, DRAINING, PROBE_EVERY_S, SERVING, WATCHED, EngineFailure, Server, tokens_counted,
                                        world_size)
@@ -119,6 +120,9 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
     async def _open(self):
         import aiohttp
 
+        from pace.rollout.protocol import fresh_session
+
+        self._fresh = fresh_session()  # `post`'s second try
         return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                                      timeout=aiohttp.ClientTimeout(total=None, connect=30))
 
@@ -129,6 +133,7 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._session.close()
+        await self._fresh.close()
 
     @property
     def alive(self) -> list[int]:
@@ -144,7 +149,9 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
                     engine: int | None = None) -> None:
         alive = self.alive
         if not alive:
-            raise EngineFailed("no rollout engine is left")
+            with self._lock:  # failed since the rollout thread last took failures: say why, not only that
+                why = "; ".join(f"engine {f.index}: {f.cause}" for f in self._failures)
+            raise EngineFailed("no rollout engine is left" + (f" ({why})" if why else ""))
         if engine is not None and engine not in alive:
             raise EngineFailed(f"rollout engine {engine} ({self.servers[engine].url}) is not in service")
         i = engine if engine is not None else self._group_engine.get(group) if group is not None else None
@@ -181,8 +188,10 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
     async def _request(self, server: Server, rid: str, serial: int, body: dict, stream: bool) -> None:
         import aiohttp
 
+        began = False
         try:
-            async with self._session.post(server.url + GENERATE, json=body) as resp:
+            async with await post(self._session, server.url + GENERATE, body, self._fresh) as resp:
+                began = True
                 if resp.status >= 500:
                     raise ConnectionError(f"HTTP {resp.status} on {rid}: {(await resp.text())[:300]}")
                 if resp.status != 200:
@@ -214,7 +223,8 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
             self._refused.append(exc)
             self._out.put(None)
         except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
-            self._fail(server, f"a response stream broke ({type(exc).__name__}: {str(exc)[:200]})")
+            when = "after its response began" if began else "before any response, sent twice"
+            self._fail(server, f"a response stream broke {when} ({type(exc).__name__}: {str(exc)[:200]})")
 
     def _on_streamed(self, batch: list | None) -> None:
         """What the stream reader's child read (its receiving thread): chunks become outputs for
@@ -325,12 +335,17 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
             if server.process is not None and server.process.exit_code() is not None:
                 self._fail(server, f"its process exited with code {server.process.exit_code()}")
                 return
+            asked = time.monotonic()
             try:
                 async with self._session.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=2 * HEALTH_INTERVAL_S)) as r:
                     ok = r.status == 200
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 ok = False
-            misses = 0 if ok else misses + 1
+            # A server too busy to answer in time is not dead: one that delivered output meanwhile, or that is
+            # in a weight update (whose calls have deadlines of their own: pace/rollout/remote_weights.py), is
+            # not counted a miss; on a busy host its API server's loop answered /health late, every server at once
+            busy = server.last_output >= asked - HEALTH_INTERVAL_S or server.paused
+            misses = 0 if ok or busy else misses + 1
             if misses >= HEALTH_MISSES:
                 self._fail(server, f"/health failed {misses} times in a row")
                 return

@@ -64,8 +64,11 @@ class _Reader:
     async def serve(self) -> None:
         import aiohttp
 
+        from pace.rollout.protocol import fresh_session
+
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s),
                                              timeout=aiohttp.ClientTimeout(total=None, connect=30))
+        self.fresh = fresh_session()
         loop = asyncio.get_running_loop()
         loop.add_reader(self.commands.fileno(), self._on_commands)
         flusher = asyncio.create_task(self._flush_every())
@@ -75,6 +78,7 @@ class _Reader:
             t.cancel()
         await asyncio.gather(*self.tasks.values(), flusher, return_exceptions=True)
         await self.session.close()
+        await self.fresh.close()
 
     def _on_commands(self) -> None:
         try:
@@ -107,10 +111,12 @@ class _Reader:
                 self.done.set()
 
     async def _read(self, key, server: int, url: str, body: dict) -> None:
-        from pace.rollout.protocol import sse_payloads
+        from pace.rollout.protocol import post, sse_payloads
 
+        began = False
         try:
-            async with self.session.post(url, json=body) as resp:
+            async with await post(self.session, url, body, self.fresh) as resp:
+                began = True
                 if resp.status >= 500:
                     raise ConnectionError(f"HTTP {resp.status} on {key[0]}: {(await resp.text())[:300]}")
                 if resp.status != 200:
@@ -133,7 +139,8 @@ class _Reader:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a stream that broke or could not be read, reported either way
-            self.batch.append((FAIL, key, server, f"a response stream broke ({type(exc).__name__}: {str(exc)[:200]})"))
+            when = "after its response began" if began else "before any response, sent twice"
+            self.batch.append((FAIL, key, server, f"a response stream broke {when} ({type(exc).__name__}: {str(exc)[:200]})"))
             self._flush()
         finally:
             if self.tasks.get(key) is asyncio.current_task():
