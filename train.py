@@ -28,7 +28,7 @@ from pace.algo.precision import mixed_precision
 from pace.config import register
 from pace.config_checks import check_model, check_processes, validate
 from pace.control import Control
-from pace.errors import ConfigError, DataError, RolloutError, UserError
+from pace.errors import ConfigError, DataError, RolloutError, StoppedWithRank0, UserError
 from pace.launch import default_group, resolve_device, resolve_model
 from pace.loop import step_metrics, wait_for_batch
 from pace.memory import release_free_heap, rss_mib
@@ -37,6 +37,7 @@ from pace.rollout import stopping
 from pace.signals import StopSignal, deafen_children
 from pace.tasks import loading
 from pace.weights.mismatch import MismatchGuard, SyncMismatch
+from pace.weights.sync import UpdateFailed
 
 register()
 rundir.register()  # ${pace.rank0_dir:…} in conf/config.yaml's hydra section
@@ -49,17 +50,22 @@ def main(cfg: DictConfig) -> None:
     except (UserError, ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except SyncMismatch as exc:  # checkpointed; the cause in one line
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
     except RuntimeError as exc:  # a RolloutError too
-        from pace.errors import EngineFailed
-
-        failed = exc if isinstance(exc, EngineFailed) else exc.__cause__
-        if not isinstance(failed, EngineFailed):
+        if not report(exc):
             raise
-        print(f"error: {failed}", file=sys.stderr)  # checkpointed; the engine and the cause in one line
         sys.exit(1)
+
+
+def report(exc: BaseException) -> bool:
+    """A failure whose cause is known (the run checkpointed it) as one `error:` line: a mismatch, a
+    weight update that failed, a stop with rank 0, an engine failure. False for any other (its traceback says more)."""
+    from pace.errors import EngineFailed
+
+    line = exc if isinstance(exc, (SyncMismatch, UpdateFailed, StoppedWithRank0, EngineFailed)) else exc.__cause__
+    if not isinstance(line, (SyncMismatch, UpdateFailed, StoppedWithRank0, EngineFailed)):
+        return False
+    print(f"error: {line}", file=sys.stderr)
+    return True
 
 
 def run(cfg: DictConfig) -> None:
@@ -240,7 +246,10 @@ def run(cfg: DictConfig) -> None:
                     batch = wait_for_batch(pool, rollout, step, stop)
                 except RolloutError as exc:  # the rollout (or grading) died: stop together, checkpoint
                     failure = exc
-            if control.decide(batch is None if main_rank else False):
+            why = control.decide(stop_reason(failure, stop) if main_rank and batch is None else None)
+            if why is not None:  # every rank stops with rank 0, and writes the checkpoint with it
+                if failure is None and not stop.requested:
+                    failure = StoppedWithRank0(why)
                 break
             t_wait = time.perf_counter() - t_step
 
@@ -281,19 +290,28 @@ def run(cfg: DictConfig) -> None:
             if cfg.trainer.save_every and trainer.version % cfg.trainer.save_every == 0 and trainer.version < cfg.trainer.steps:
                 checkpointer.save(f"every {cfg.trainer.save_every} steps", parts)
             if due:  # after the checkpoint: a sync run has nothing in flight in it
-                publish(trainer.version)
+                try:
+                    publish(trainer.version)
+                except UpdateFailed as exc:  # on every rank: the engines did not get θ (pace/weights/sync.py)
+                    failure = exc
+                    break
         else:
             if val_rows is not None:  # the final weights' validation, logged after the last step
-                val_rows.finish(logger, cfg.trainer.steps, stop=lambda: stop.requested)
-            if cfg.trainer.save_every:
+                try:
+                    val_rows.finish(logger, cfg.trainer.steps, stop=lambda: stop.requested)
+                except RolloutError as exc:  # it could not run: the run stops with a checkpoint, resume= redoes it
+                    failure = exc
+            why = control.decide(stop_reason(failure, stop) if failure is not None else None)
+            if why is not None and failure is None:
+                failure = StoppedWithRank0(why)
+            if failure is None and cfg.trainer.save_every:
                 checkpointer.save("end of training", parts)
         if stop.requested or failure is not None:
             status = "failed" if failure is not None else "interrupted"
-            why = (signal.Signals(stop.signum).name if failure is None else failure.why
-                   if isinstance(failure, SyncMismatch) else f"rollout failure: {type(failure.__cause__).__name__}")
+            why = stop_reason(failure, stop)
             saved = checkpointer.stop_and_save(parts, why)
-        if failure is not None:
-            raise failure
+        if failure is not None and world == 1:
+            raise failure  # several processes: every rank stopped with it and leaves with the others (below)
     except KeyboardInterrupt:  # a second signal: stop now, no checkpoint
         status = "interrupted"
         print("\ninterrupted: stopping the rollout and shutting the engine down (no checkpoint)", file=sys.stderr)
@@ -327,12 +345,28 @@ def run(cfg: DictConfig) -> None:
     code = 128 + stop.signum if stop.requested else 130 if status == "interrupted" else 0
     if stop.requested and saved is not None:
         print(f"resume with: python train.py resume={run_dir}", file=sys.stderr)
+    if failure is not None:  # several processes (one raised it above): every rank stopped together
+        code = 1
+        if not report(failure):
+            import traceback
+
+            traceback.print_exception(failure)
     if world > 1:  # gloo's threads can abort the interpreter's exit (pace/teardown.py); every rank ends here
         from pace.teardown import end_processes
 
-        end_processes(code, barrier=control.barrier if status == "finished" else None)
+        # together when every rank got here (a launcher stops the others once one exits non-zero)
+        end_processes(code, barrier=control.barrier if status == "finished" or failure is not None else None)
     if code:
         sys.exit(code)
+
+
+def stop_reason(failure: BaseException | None, stop: StopSignal) -> str:
+    """Why the run stops, in a checkpoint's words: the signal, or the failure."""
+    if failure is None:
+        return signal.Signals(stop.signum).name if stop.signum else "stopped"
+    if isinstance(failure, (SyncMismatch, UpdateFailed, StoppedWithRank0)):
+        return failure.why
+    return f"rollout failure: {type(failure.__cause__).__name__}"
 
 
 if __name__ == "__main__":

@@ -166,6 +166,11 @@ class RolloutConfig:
     # prompt and generation tokens its /metrics count) for this long, or an update call (pause, resume,
     # label, check) that takes this long, has failed
     engine_timeout_s: float = 120.0
+    # nccl/gloo: the deadline of a weight update's transfer (the broadcast and every engine's update
+    # call; not the wait for a validation in progress). Past it the transfer group is aborted, every
+    # trainer rank leaves the update together and writes a checkpoint, and the run stops naming the
+    # cause (`resume=` goes on): an engine that dies inside the broadcast cannot hang the run
+    update_timeout_s: float = 600.0
     # server mode: servers this run starts must answer /health by then; engines built at once on
     # GPUs of their own (child): each build must have spawned its engine core process by then
     server_start_timeout_s: float = 900.0

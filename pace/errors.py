@@ -20,6 +20,15 @@ class EngineFailed(RuntimeError):
     """A rollout engine failed and the run does not go on without it (`rollout.on_engine_failure`)."""
 
 
+class StoppedWithRank0(RuntimeError):
+    """Trainer ranks ≥ 1 of a run whose rank 0 stopped (its rollout failed, the final validation could
+    not run): they write the checkpoint with it and stop. ``why``: rank 0's cause, in one line."""
+
+    def __init__(self, why: str):
+        super().__init__(f"stopped with trainer rank 0 ({why}); checkpointed: resume= goes on")
+        self.why = why
+
+
 class UserError(Exception):
     """Bad input that is not one config key's value (no GPU for a GPU preset, a model that cannot be
     found): printed as one line, exit status 2."""

@@ -47,7 +47,7 @@ from pace.placement import Placement
 from pace.rollout import request_ids
 from pace.rollout.fleet import Fleet
 from pace.rollout.healing import HealingMixin
-from pace.rollout.remote_weights import RemoteWeightsMixin
+from pace.rollout.remote_weights import WEIGHT_CALL_TIMEOUT_S, RemoteWeightsMixin
 from pace.rollout.protocol import (GENERATE, Output, completion, completion_from, flat_logprobs, params_json, post,
                                    prompt_logprobs_from, sse_payloads)
 from pace.rollout.server_state import (DEAD, DRAINING, PROBE_EVERY_S, SERVING, WATCHED, EngineFailure, Server, tokens_counted,
@@ -69,7 +69,7 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
     def __init__(self, urls: list[str], tokenizer, device_type: str = "cpu", processes: list | None = None,
                  engine_timeout_s: float = 120.0, max_restarts: int = 0, restart_backoff_s: float = 2.0,
                  start_timeout_s: float = 900.0, drain_timeout_s: float = 300.0, stream_reader: str = "process",
-                 transfer_address: str | None = None):
+                 transfer_address: str | None = None, update_timeout_s: float = WEIGHT_CALL_TIMEOUT_S):
         self.servers = [Server(i, u.rstrip("/"), (processes or [None] * len(urls))[i]) for i, u in enumerate(urls)]
         self.tokenizer = tokenizer
         # where the weight-transfer group (nccl, gloo) meets trainer rank 0 (None: no group, shm): on the
@@ -77,6 +77,7 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
         self.transfer_address = transfer_address
         self.device_type = device_type
         self.engine_timeout_s = engine_timeout_s
+        self.update_timeout_s = update_timeout_s  # each transfer call's (pace/rollout/remote_weights.py)
         from vllm.sampling_params import RequestOutputKind
 
         self._delta = RequestOutputKind.DELTA
@@ -475,7 +476,7 @@ def build(model_path: str, cfg, placement: Placement, tokenizer, log_dir: str | 
         group = placement.transfer in ("nccl", "gloo")  # a rendezvous at rank 0's address (shm: a file here)
         fleet = RemoteFleet(urls, tokenizer, placement.device, processes, r.engine_timeout_s, restarts,
                             r.restart_backoff_s, r.server_start_timeout_s, r.drain_timeout_s, r.stream_reader,
-                            transfer_address=transfer_address(r) if group else None)
+                            transfer_address=transfer_address(r) if group else None, update_timeout_s=r.update_timeout_s)
     except BaseException:
         for p in processes or []:
             p.kill()

@@ -20,8 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pace.errors import EngineFailed
 from pace.rollout.server_state import DRAINING, JOINING, LEFT, READY
 
-WEIGHT_CALL_TIMEOUT_S = 1800.0  # the transfer calls wait for the broadcast (gloo's own timeout is 30 min)
-# The other calls (pause, resume, the version label, the reload check) return in seconds; one that takes
+WEIGHT_CALL_TIMEOUT_S = 1800.0  # the transfer calls of a fleet built without `rollout.update_timeout_s`
+# The transfer calls (the rendezvous, update_weights, finish_weight_update) wait for the broadcast: each
+# gets `rollout.update_timeout_s` (the update's deadline; a server frozen inside it is failed then). The
+# other calls (pause, resume, the version label, the reload check) return in seconds; one that takes
 # `rollout.engine_timeout_s` fails its server. A server whose engine behind it has died can answer /health
 # and hang here (vLLM's data-parallel API server with a dead headless engine does: README).
 
@@ -61,19 +63,18 @@ class RemoteWeightsMixin:
         return results
 
     @staticmethod
-    def _post(s, path: str, body: dict | None = None, params: dict | None = None,
-              timeout: float = WEIGHT_CALL_TIMEOUT_S):
+    def _post(s, path: str, body: dict | None = None, params: dict | None = None, timeout: float = WEIGHT_CALL_TIMEOUT_S):
         import requests
 
         r = requests.post(s.url + path, json=body, params=params, timeout=timeout)
         r.raise_for_status()
         return r.json() if r.content else None
 
-    @staticmethod
-    def _client(s, timeout: float = WEIGHT_CALL_TIMEOUT_S):
+    def _client(self, s, timeout: float | None = None):
+        """vLLM's HTTP client of server ``s``; its calls time out at ``timeout`` (default: the update's deadline)."""
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-        return HTTPVLLMWeightSyncClient(s.url, timeout=timeout)
+        return HTTPVLLMWeightSyncClient(s.url, timeout=self.update_timeout_s if timeout is None else timeout)
 
     def transfer_workers(self) -> int:
         """Weight-transfer ranks of the servers in the group."""

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -39,18 +41,21 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 BACKEND = "pace_gloo"
-TIMEOUT = datetime.timedelta(minutes=30)  # a rendezvous or a broadcast waiting for its peers
+TIMEOUT_S = 1800.0  # a rendezvous or a broadcast waiting for its peers, unless the update's deadline is given
 
 
-def _group(host: str, port: int, rank: int, world_size: int, is_master: bool):
+def _group(host: str, port: int, rank: int, world_size: int, is_master: bool, timeout_s: float = TIMEOUT_S):
     """A gloo group of its own (not torch.distributed's default one: the trainer may have one,
-    and an engine worker has vLLM's), over a TCPStore served by rank 0."""
+    and an engine worker has vLLM's), over a TCPStore served by rank 0. Every operation on it (the
+    rendezvous, each broadcast) fails after ``timeout_s`` (`rollout.update_timeout_s`): a peer that
+    stopped inside the broadcast cannot hold the others past the update's deadline."""
     from torch.distributed import PrefixStore, TCPStore
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    store = TCPStore(host, port, world_size if is_master else None, is_master=is_master, timeout=TIMEOUT,
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(host, port, world_size if is_master else None, is_master=is_master, timeout=timeout,
                      wait_for_workers=False)
-    return ProcessGroupGloo(PrefixStore("pace_gloo", store), rank, world_size, TIMEOUT), store
+    return ProcessGroupGloo(PrefixStore("pace_gloo", store), rank, world_size, timeout), store
 
 
 def run_into(future: Future, fn, *args) -> None:
@@ -79,6 +84,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     delta: bool = False  # keep a mirror of the received tensors: updates may be patches
+    timeout_s: float = TIMEOUT_S  # each operation of the group (`rollout.update_timeout_s`)
 
 
 @dataclass
@@ -103,7 +109,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         p = self.parallel_config  # the rank as vLLM's nccl_common.worker_init_process_group computes it
         rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
         self.group, self._store = _group(init_info.master_address, init_info.master_port, rank,
-                                         init_info.world_size, is_master=False)
+                                         init_info.world_size, is_master=False, timeout_s=init_info.timeout_s)
         # a (re)joined worker: the trainer sends it whole tensors first
         self.mirror: dict[str, torch.Tensor] | None = {} if init_info.delta else None
         self.mirror_version: int | None = None
@@ -174,6 +180,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_port: int = 0
     world_size: int = 1  # trainer rank 0 + every engine worker
     delta: bool = False  # the workers keep a mirror: updates may be patches
+    timeout_s: float = TIMEOUT_S  # the update's deadline: each operation of the group, and the wait for the workers
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -185,21 +192,24 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def __init__(self, *, client, source: WeightSource, is_sender: bool):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group = self._store = None
+        self.timeout_s = TIMEOUT_S
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source: WeightSource | None = None):
         if source is None:
             raise ValueError("gloo weight transfer needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.timeout_s = init_info.timeout_s
         if not engine.is_sender:
             return engine
         worker = GlooInitInfo(master_address=init_info.master_address, master_port=init_info.master_port,
-                              rank_offset=1, world_size=init_info.world_size, delta=init_info.delta)
+                              rank_offset=1, world_size=init_info.world_size, delta=init_info.delta,
+                              timeout_s=init_info.timeout_s)
         # the workers wait inside init_weight_transfer_engine for the rendezvous rank 0 opens here
         with ThreadPoolExecutor(max_workers=1) as exe:
             future = exe.submit(client.init_weight_transfer_engine, asdict(worker))
             engine.group, engine._store = _group(init_info.master_address, init_info.master_port, 0,
-                                                 init_info.world_size, is_master=True)
+                                                 init_info.world_size, is_master=True, timeout_s=init_info.timeout_s)
             future.result()
         return engine
 
@@ -223,7 +233,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             sent += 1
         if sent != len(meta):
             raise ValueError(f"gloo weight transfer: the source yielded {sent} of the {len(meta)} parameters sent")
-        future.result()
+        self._received(future)
         self.client.finish_weight_update()
 
     def send_patches(self, patches: list, version: int, base: int, base_sums: list[int] | None = None) -> None:
@@ -239,7 +249,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         for p in patches:
             _broadcast(self.group, p.indices.detach().to("cpu", torch.int32).contiguous())
             _broadcast(self.group, p.values.detach().to("cpu").contiguous())
-        future.result()
+        self._received(future)
         self.client.finish_weight_update()
 
     def _start(self, info: GlooUpdateInfo) -> Future:
@@ -251,7 +261,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                          name="pace-gloo-update", daemon=True).start()
         if future.done():  # refused before any broadcast: say so, rather than wait for peers
             future.result()
+        self._deadline = time.monotonic() + self.timeout_s
         return future
+
+    def _received(self, future: Future) -> None:
+        """The engines' update call, once the broadcast is out: within the update's deadline (a
+        worker stopped inside the broadcast never answers; its update call is failed by then too)."""
+        try:
+            future.result(timeout=max(self._deadline - time.monotonic(), 0.0))
+        except FutureTimeout as exc:
+            raise TimeoutError(f"the engines' update_weights did not return within rollout.update_timeout_s="
+                               f"{self.timeout_s:g} s") from exc
 
     def shutdown(self) -> None:
         self.group = self._store = None

@@ -165,7 +165,32 @@ class CheckedDeltaNCCLWeightTransferEngine(ExactReload, NCCLWeightTransferEngine
 
 
 class DeltaNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
-    """vLLM's NCCL trainer engine (whole tensors, packed) and `send_patches` over its group."""
+    """vLLM's NCCL trainer engine (whole tensors, packed) and `send_patches` over its group, with a
+    deadline: `abort` (pace/weights/sync.py calls it past `rollout.update_timeout_s`) aborts the group's
+    communicator, so that a broadcast waiting on an engine that stopped returns, and the update raises.
+    Written against vLLM 0.32's `PyNcclCommunicator.destroy` (`ncclCommAbort` in a thread of its own,
+    after which its broadcasts return at once): not run on a GPU."""
+
+    aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+        cancel = getattr(self.client, "cancel", None)  # BlockingClient: the engines are not labelled with it
+        if cancel is not None:
+            cancel()
+        if self.model_update_group is not None:
+            self.model_update_group.destroy()
+
+    def send_weights(self) -> None:
+        """vLLM's, then a failure if the deadline aborted it: past the abort its broadcasts return at once,
+        so the rest of the source is still walked (every rank's gathers end) but the engines got nothing."""
+        super().send_weights()
+        self._check_aborted()
+
+    def _check_aborted(self) -> None:
+        if self.aborted:
+            raise TimeoutError("the transfer group was aborted at rollout.update_timeout_s: the engines did not get "
+                               "the update")
 
     chunk_bytes: int | None = None  # the engine workers' chunk of patches (`rollout.delta_chunk_mib`; None: theirs)
 
@@ -192,6 +217,7 @@ class DeltaNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
                 self.model_update_group.broadcast(p.indices.to(device, torch.int32).contiguous(), src=0, stream=stream)
                 self.model_update_group.broadcast(p.values.to(device).contiguous(), src=0, stream=stream)
         future.result()
+        self._check_aborted()
         self.client.finish_weight_update()
         self._post_send_sync()
 

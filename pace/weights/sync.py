@@ -28,12 +28,14 @@ elements, the engines still serving), and `publish` sends either every tensor or
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import sys
+import threading
 
 import torch
 
-from pace.errors import RolloutError
+from pace.errors import EngineFailed, RolloutError
 from pace.net import free_port, transfer_address
 from pace.placement import Placement
 from pace.weights import transfer
@@ -94,6 +96,7 @@ class WeightSync:
             from pace.weights.gloo import GlooTrainerWeightTransferEngine as Engine
 
             extra["delta"] = bool(self.cfg.rollout.weight_delta)  # the workers keep a mirror for patches
+            extra["timeout_s"] = float(self.cfg.rollout.update_timeout_s)  # every operation of the group: the deadline
         fleet = None if self.rollout is None else self.rollout.fleet
         if fleet is not None:  # rank 0: the ranks of the engines in service
             workers = fleet.transfer_workers()
@@ -155,41 +158,83 @@ class WeightSync:
             if self._update is not None:
                 self.sender.client.post_update(self._update)
         else:
+            failure = None
             if self.sender.is_sender:
-                # servers ready to join come in here, before the engines pause (delta: when it was planned,
-                # so that the plan is whole and logged so)
-                self._regroup(admit=self.delta is None)
-                # may wait for a validation; send_weights' start_weight_update is then a no-op
-                self.sender.client.start(WeightUpdate(version))
-                self._regroup(admit=False)  # a server lost while the update started
-            self.barrier()
+                try:
+                    # servers ready to join come in here, before the engines pause (delta: when it was planned,
+                    # so that the plan is whole and logged so)
+                    self._regroup(admit=self.delta is None)
+                    # may wait for a validation; send_weights' start_weight_update is then a no-op
+                    self.sender.client.start(WeightUpdate(version))
+                    self._regroup(admit=False)  # a server lost while the update started
+                except Exception as exc:  # noqa: BLE001 - every rank leaves the update with it (below)
+                    failure = exc
+            # every rank waits here for rank 0 (not in the first all-gather, under NCCL's watchdog), and
+            # learns whether the update goes ahead
+            self._agree(version, failure)
             fleet = None if self.rollout is None else self.rollout.fleet
             known = set() if fleet is None else set(fleet.group_members())  # a joiner or draining one too
             plan = self.plan
             if plan is not None and not plan.full and self.decide(self.delta.version is None):
                 plan = self.plan = self.delta.whole(plan)  # rank 0 formed the group again: its engines get θ whole
             try:
-                if plan is not None and not plan.full:
-                    if self.sender.is_sender:  # the other ranks gave their changes when it was planned
-                        self._expect_delta(plan)
-                        self.sender.send_patches(plan.patches, version, self.delta.version, plan.base_sums)
-                        self._untrusted = self._take_untrusted(fleet)
-                else:
-                    self.sender.send_weights()  # every rank: each tensor is a collective under FSDP
+                with self._deadline(version):
+                    if plan is not None and not plan.full:
+                        if self.sender.is_sender:  # the other ranks gave their changes when it was planned
+                            self._expect_delta(plan)
+                            self.sender.send_patches(plan.patches, version, self.delta.version, plan.base_sums)
+                            self._untrusted = self._take_untrusted(fleet)
+                    else:
+                        self.sender.send_weights()  # every rank: each tensor is a collective under FSDP
                 if plan is not None:
                     self.delta.sent(plan, self._full_prints)
             except Exception as exc:
+                if not self.sender.is_sender:
+                    raise  # a rank's own collectives failed: nothing to agree on
                 if self.delta is not None:
                     self.delta.failed()  # what the engines hold is unknown: whole tensors next
-                failed = None if fleet is None else fleet.wait_failed(known)
-                if failed is None:
-                    raise
+                self.source.finish()  # the gathers the other ranks wait in, the broadcast given up
                 self.sender.shutdown()  # the group's connections close: the live engines' receive fails, not waits
-                from pace.errors import EngineFailed
-
-                raise EngineFailed(f"rollout engine {failed.index} ({failed.url}) failed during the weight broadcast "
-                                   f"({type(exc).__name__}): the run stops; resume= goes on with the engines alive") from exc
+                failure = exc
+                failed = None if fleet is None else fleet.wait_failed(known)
+                if failed is not None:
+                    failure = EngineFailed(f"rollout engine {failed.index} ({failed.url}) failed during the weight "
+                                           f"broadcast, which raised {_one_line(exc)}")
+                    failure.__cause__ = exc
+            self._agree(version, failure)
         self._update = None
+
+    def _agree(self, version: int, failure: BaseException | None) -> None:
+        """Every rank: rank 0's failure (its one line) on every rank, each then raising `UpdateFailed`
+        with it: the ranks leave the update together, and every rank writes the checkpoint (train.py)."""
+        line = self.decide(None if failure is None else _one_line(failure))
+        if line is not None:
+            raise UpdateFailed(version, line) from failure
+
+    @contextlib.contextmanager
+    def _deadline(self, version: int):
+        """Rank 0, the transfer: past `rollout.update_timeout_s` the sender's group is aborted so that a
+        broadcast waiting on a peer that stopped returns (vLLM's PyNccl broadcast has no timeout of its
+        own: `abort` is `ncclCommAbort`, pace/weights/nccl_delta.py). The gloo group's operations and the
+        engines' update calls time out by themselves at the same deadline (pace/weights/gloo.py)."""
+        abort = getattr(self.sender, "abort", None) if self.sender.is_sender else None
+        timer = None
+        if abort is not None:
+            timeout = self.cfg.rollout.update_timeout_s
+
+            def expire():
+                print(f"warning: the weight update to θ_{version} passed rollout.update_timeout_s={timeout:g} s: "
+                      "aborting its transfer group", file=sys.stderr, flush=True)
+                abort()
+
+            timer = threading.Timer(timeout, expire)
+            timer.daemon = True
+            timer.start()
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _sent_prints(self, sent, prints: dict) -> None:
         """Rank 0, a full pass: the engines are judged against these; a delta plan starts from them."""
@@ -261,6 +306,7 @@ class BlockingClient:
         self.rollout = rollout
         self.label = label  # nccl/gloo: the update info names its version (the workers' check of patch bases)
         self.update: WeightUpdate | None = None  # the update in progress: from `start` to finish_weight_update
+        self._cancelled = False
 
     def call(self, fn):
         """``fn()`` on the rollout thread, between engine steps and after a validation in progress."""
@@ -300,13 +346,35 @@ class BlockingClient:
             update_info = {**update_info, "version": self.update.version}
         self._run(lambda: self.rollout.fleet.load(update_info))
 
+    def cancel(self) -> None:
+        """The update under way was aborted at its deadline (pace/weights/nccl_delta.py): its finish fails
+        instead of labelling the engines with a version they did not get."""
+        self._cancelled = True
+
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         """``weight_version``: vLLM's trainer engines pass none; the started update's version is used."""
         update = self.update
         if update is None:
             raise RuntimeError("BlockingClient: finish_weight_update without an update started")
+        if self._cancelled:
+            self.update, self._cancelled = None, False
+            raise TimeoutError(f"the weight update to θ_{update.version} was aborted at rollout.update_timeout_s")
         self._run(lambda: self.rollout.end_update(update.version))
         self.update = None
+
+
+class UpdateFailed(RuntimeError):
+    """A weight update that did not reach the engines, on every trainer rank: the run stops with a
+    checkpoint (`resume=` publishes θ again). ``why``: rank 0's cause, in one line."""
+
+    def __init__(self, version: int, why: str):
+        super().__init__(f"the weight update to θ_{version} failed: {why}; checkpointed: resume= goes on")
+        self.version, self.why = version, f"weight update failed: {why}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())[:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _shared_token(acc) -> str:

@@ -305,22 +305,39 @@ class CastSource(WeightSource):
 
             for device in {p.device for _, p in source.named_parameters(model)}:
                 fingerprint.prepare(device)
+        self._pass: Iterator | None = None  # the pass under way (`finish`)
+        self._abandoned = False
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, self.dtype, tuple(p.shape)) for name, p in source.named_parameters(self.model)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._abandoned = False
+        self._pass = self._walk()
+        return self._pass
+
+    def _walk(self) -> Iterator[tuple[str, torch.Tensor]]:
         from pace.weights.fingerprint import Fingerprints
 
         prints = Fingerprints() if self.on_sent is not None else None
         params = list(source.named_parameters(self.model))
         for i, (name, p) in enumerate(params):
             tensor = source.engine_tensor(p, self.dtype)
-            if prints is not None:
+            if prints is not None and not self._abandoned:
                 prints.add(name, tensor)
                 if i == len(params) - 1:  # before the last yield: a consumer need not resume the generator
                     self.on_sent(prints.prints)
             yield name, tensor
+
+    def finish(self) -> int:
+        """Run what is left of a pass its consumer gave up (a broadcast that failed): under FSDP every
+        other rank waits in the all-gather of the next tensor, which it joins only with this rank.
+        Nothing is fingerprinted (nothing more is sent). The tensors gathered; 0 when the pass had ended."""
+        walk, self._pass = self._pass, None
+        if walk is None:
+            return 0
+        self._abandoned = True
+        return sum(1 for _ in walk)
 
 
 # The worker-side engine of each backend: vLLM's nccl and ipc engines and this module's shm engine,

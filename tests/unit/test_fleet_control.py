@@ -335,7 +335,7 @@ def test_the_fleet_is_told_where_its_group_meets_rank_0(monkeypatch):
     cfg = SimpleNamespace(rollout=SimpleNamespace(
         servers=["http://127.0.0.1:8100"], transfer_address=None, max_engine_restarts=3, on_engine_failure="continue",
         engine_timeout_s=120.0, restart_backoff_s=2.0, server_start_timeout_s=900.0, drain_timeout_s=300.0,
-        stream_reader="thread"))
+        stream_reader="thread", update_timeout_s=600.0))
     for backend, expected in (("gloo", "127.0.0.1"), ("nccl", "127.0.0.1"), ("shm", None)):
         remote.build("model", cfg, Placement("cpu", 1, "server", backend, None), None, None, 0)
         assert made["transfer_address"] == expected, backend

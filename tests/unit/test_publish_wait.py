@@ -1,7 +1,8 @@
 """WeightSync.publish with a blocking backend (nccl, gloo, ipc): rank 0 may wait for the engines
 (an in-training validation holds weight updates) before the broadcast, whose source iteration is
-an FSDP all-gather on every rank. The other ranks must wait for rank 0 at the control barrier
-(pace/control.py, a timeout of hours), not inside that all-gather, under the trainer's collective
+an FSDP all-gather on every rank. The other ranks must wait for rank 0 in the control group's decision
+that opens the update (pace/control.py, a timeout of hours; it also tells them whether the update goes
+ahead), not inside that all-gather, under the trainer's collective
 timeout (NCCL's 10-minute watchdog on GPUs). Two gloo processes, a real FSDP2 model and the weight
 sync's source (pace/weights/source.py); the engines are a stand-in that only iterates the source
 (what vLLM's trainer engines do on ranks ≥ 1) and a rollout whose update is held 5 s; the trainer's
@@ -70,7 +71,13 @@ def _rank(rank: int, port: int, use_barrier: bool, results) -> None:
     sync.delta = sync.plan = None  # whole syncs (rollout.weight_delta off)
     sync._due = False  # no group formed again
     sync.sender = StandInEngine(model, BlockingClient(HeldRollout()) if rank == 0 else None)
-    sync.barrier = (lambda: dist.barrier(group=control)) if use_barrier else (lambda: None)
+    def decide(flag):  # train.py's Control.decide: rank 0's flag on every rank, over the control group
+        box = [flag]
+        dist.broadcast_object_list(box, src=0, group=control)
+        return box[0]
+
+    # every rank waits for rank 0 (its held update) in the decision that opens the update (pace/weights/sync.py)
+    sync.decide = decide if use_barrier else (lambda flag: flag)
     t0 = time.perf_counter()
     try:
         sync.publish(1)

@@ -1,0 +1,143 @@
+"""A weight update that fails on trainer rank 0 (a broadcast given up at its deadline, an engine lost in
+it) is left by every rank together (pace/weights/sync.py): rank 0 walks the rest of the source first
+(the gathers the other ranks wait in under FSDP), then every rank raises `UpdateFailed` with rank 0's
+cause, so that every rank writes the checkpoint (train.py). The source's `finish` gathers without
+fingerprinting; the NCCL sender's deadline aborts its communicator and fails the update."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pace.weights.sync import BlockingClient, UpdateFailed, WeightSync
+from pace.weights.transfer import CastSource
+
+pytestmark = pytest.mark.unit
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def test_finish_walks_what_is_left_of_a_pass_without_fingerprints():
+    prints = []
+    source = CastSource(_model(), torch.float32, on_sent=prints.append)
+    walk = iter(source)
+    next(walk), next(walk)  # the consumer gave up after two of six tensors
+    assert source.finish() == 4 and prints == []  # gathered, not sent: nothing expected of the engines
+    assert source.finish() == 0
+    assert len(list(source)) == 6 and len(prints) == 1  # a full pass still fingerprints what it sends
+
+
+class _Sender:
+    """A gloo-like trainer engine: iterates the source; rank 0's broadcast fails after ``fail_after`` tensors."""
+
+    def __init__(self, source, is_sender: bool, fail_after: int | None = None):
+        self.source, self.is_sender, self.fail_after = source, is_sender, fail_after
+        self.client = SimpleNamespace(start=lambda update: None)
+        self.shut = False
+
+    def send_weights(self):
+        for i, _ in enumerate(self.source):
+            if self.fail_after is not None and i == self.fail_after:
+                raise TimeoutError("gloo broadcast timed out")
+
+    def shutdown(self):
+        self.shut = True
+
+
+def _sync(is_sender: bool, fail_after: int | None, decided: list) -> WeightSync:
+    """A WeightSync of the nccl/gloo kind, its collaborators stand-ins; ``decided``: what rank 0 decides
+    (what `decide` returns on a rank ≥ 1), recorded for rank 0."""
+    sync = WeightSync.__new__(WeightSync)
+    sync.backend, sync.delta, sync.plan, sync.rollout, sync._due = "gloo", None, None, None, False
+    sync.source = CastSource(_model(), torch.float32)
+    sync.sender = _Sender(sync.source, is_sender, fail_after)
+    sync.cfg = SimpleNamespace(rollout=SimpleNamespace(update_timeout_s=30.0))
+    sync._version, sync._update = 7, None
+    sync._regroup = lambda admit: None
+
+    def decide(flag):
+        if is_sender:
+            decided.append(flag)
+            return flag
+        return decided.pop(0)
+
+    sync.decide = decide
+    return sync
+
+
+def test_rank_0s_failed_broadcast_finishes_the_gathers_and_fails_the_update():
+    decided = []
+    sync = _sync(is_sender=True, fail_after=2, decided=decided)
+    walked = []
+    finish = sync.source.finish
+    sync.source.finish = lambda: walked.append(finish()) or walked[-1]
+    with pytest.raises(UpdateFailed, match=r"^the weight update to θ_7 failed: TimeoutError: gloo broadcast timed out"):
+        sync.publish(7)
+    assert walked == [3]  # tensors 3..5 of 6 gathered after the failure (the broadcast stopped at the third)
+    assert sync.sender.shut
+    assert decided == [None, "TimeoutError: gloo broadcast timed out"]  # go, then rank 0's cause to every rank
+
+
+def test_every_other_rank_fails_the_update_with_rank_0s_cause():
+    sync = _sync(is_sender=False, fail_after=None, decided=[None, "EngineFailed: rollout engine 1 failed"])
+    with pytest.raises(UpdateFailed) as failed:
+        sync.publish(7)
+    assert failed.value.why == "weight update failed: EngineFailed: rollout engine 1 failed"
+    assert sync.source.finish() == 0  # its own pass ran whole
+
+
+def test_a_failure_before_the_transfer_is_every_ranks_too():
+    decided = []
+    sync = _sync(is_sender=True, fail_after=None, decided=decided)
+
+    def dead(update):
+        raise RuntimeError("rollout thread died")
+
+    sync.sender.client.start = dead
+    with pytest.raises(UpdateFailed, match="RuntimeError: rollout thread died"):
+        sync.publish(7)
+    assert decided == ["RuntimeError: rollout thread died"]  # decided before any rank entered the broadcast
+
+
+def test_a_good_update_is_decided_once_before_and_once_after():
+    decided = []
+    _sync(is_sender=True, fail_after=None, decided=decided).publish(7)
+    assert decided == [None, None]
+
+
+def test_the_deadline_aborts_a_sender_that_can_be_aborted():
+    """vLLM's PyNccl broadcast has no timeout: past `rollout.update_timeout_s` the sender's `abort` (ncclCommAbort)
+    is called from a timer, which returns the blocked broadcast."""
+    sync = _sync(is_sender=True, fail_after=None, decided=[])
+    sync.cfg.rollout.update_timeout_s = 0.2
+    released = threading.Event()
+    sync.sender.abort = released.set
+
+    def blocked():
+        if not released.wait(5):
+            raise AssertionError("never aborted")
+        raise TimeoutError("aborted")
+
+    sync.sender.send_weights = blocked
+    t0 = time.monotonic()
+    with pytest.raises(UpdateFailed, match="TimeoutError: aborted"):
+        sync.publish(7)
+    assert 0.15 < time.monotonic() - t0 < 3.0
+
+
+def test_an_aborted_update_is_not_finished_on_the_engines():
+    """The NCCL sender's abort cancels the client: vLLM's send_weights then calls finish_weight_update, which
+    must fail rather than label the engines with a version they did not get."""
+    labelled = []
+    client = BlockingClient(SimpleNamespace(ident=None, end_update=labelled.append, begin_update=lambda: None))
+    client.start(SimpleNamespace(version=3))
+    client.cancel()
+    with pytest.raises(TimeoutError, match="θ_3 was aborted"):
+        client.finish_weight_update()
+    assert labelled == [] and client.update is None
