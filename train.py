@@ -33,6 +33,8 @@ from pace.launch import default_group, resolve_device, resolve_model
 from pace.loop import step_metrics, wait_for_batch
 from pace.memory import release_free_heap, rss_mib
 from pace.placement import Placement
+from pace.rehearsal import fsdp as rehearsal_fsdp
+from pace.rehearsal import overlay as rehearsal
 from pace.rollout import stopping
 from pace.signals import StopSignal, deafen_children
 from pace.tasks import loading
@@ -75,6 +77,7 @@ def run(cfg: DictConfig) -> None:
 
         checkpoint = ckpt.resolve(cfg.resume)
         cfg = ckpt.resume_config(cfg, checkpoint, list(HydraConfig.get().overrides.task))
+    swaps = rehearsal.apply(cfg, world=int(os.environ.get("WORLD_SIZE", 1)), say=int(os.environ.get("RANK", 0)) == 0)
     validate(cfg)
     device = resolve_device(cfg)
 
@@ -96,8 +99,11 @@ def run(cfg: DictConfig) -> None:
     from accelerate.utils import InitProcessGroupKwargs
 
     pg = [] if cfg.trainer.dist_timeout_s is None else [InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.trainer.dist_timeout_s))]
+    sharded = rehearsal_fsdp.as_launched(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # +rehearsal=cpu: the preset's accelerate config
     accelerator = Accelerator(cpu=device == "cpu", step_scheduler_with_optimizer=False, kwargs_handlers=pg,
                               mixed_precision=mixed_precision(device, cfg.model.dtype, os.environ.get("ACCELERATE_MIXED_PRECISION")))
+    if sharded:  # FSDP2 over gloo, as the preset's launcher makes it on GPUs (Accelerate keeps DDP on a CPU)
+        rehearsal_fsdp.shard_on_cpu(accelerator, sharded)
     control = Control(accelerator, cfg.trainer.control_timeout_s)  # waits on rank 0's long work
     world = accelerator.num_processes
     placement = Placement.of(cfg.rollout, device, world)  # the engines' process, backend, GPUs: once
@@ -112,6 +118,8 @@ def run(cfg: DictConfig) -> None:
     else:
         run_dir = Path(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir)
     run_dir = Path(control.decide(str(run_dir)))  # rank 0's on every rank: each rank's `now` is its own (pace/rundir.py)
+    if swaps and main_rank:  # the run directory's config is the one that ran
+        rehearsal.record(cfg, run_dir, swaps)
     progress = cfg.logger.progress and main_rank
 
     with control.main_first():  # rank 0 builds the tiny model (or downloads the hub model) once; the others reuse it
@@ -136,12 +144,13 @@ def run(cfg: DictConfig) -> None:
     trainer = DAPOTrainer(model_path, cfg, accelerator)
     config = OmegaConf.to_container(cfg, resolve=True)
 
-    rollout = pool = logger = fleet = grader = best = val_rows = parts = sync = None
+    rollout = pool = logger = fleet = grader = best = val_rows = parts = sync = faults = None
     if main_rank:
         from pace.algo.advantages import is_informative
         from pace.grading import Grader
         from pace.logger import RunLogger
         from pace.pool import Pool, build_policy
+        from pace.rehearsal.faults import Faults
         from pace.rollout.worker import RolloutWorker
         from pace.tasks.base import PromptSampler
 
@@ -160,6 +169,8 @@ def run(cfg: DictConfig) -> None:
 
             best = BestCheckpoint(run_dir, model_path, cfg.eval.best_within)
         rollout = RolloutWorker(fleet, tokenizer, sampler, pool, grader, cfg, val_sets)
+        faults = Faults.of(cfg, fleet, rollout,  # +rehearsal=cpu's injected faults (rehearsal.slow_engine, block_update)
+                           resumed_at=None if checkpoint is None else ckpt.checkpoint_version(checkpoint))
         if best is not None:
             from pace.selection import val_k
 
@@ -227,6 +238,8 @@ def run(cfg: DictConfig) -> None:
     if main_rank:
         rollout.set_trainer_version(trainer.version)
         rollout.start()
+        if faults is not None:
+            faults.start()
 
     stop = StopSignal()
     guard = MismatchGuard.from_config(cfg)  # weights that do not reach the engines stop the run
@@ -337,6 +350,8 @@ def run(cfg: DictConfig) -> None:
                 best.close()  # candidates of validations that will not come (a resume redoes them)
                 summary.update(best.summary())
             logger.close(pool.remaining() if saved is None else [], summary)
+            if faults is not None:
+                faults.close()
             fleet.shutdown(timeout=2.0)  # deaf to SIGTERM (pace/signals.py): killed after 2 s
             if sync is not None:
                 sync.close()

@@ -110,6 +110,11 @@ def step_dir(run_dir: Path, version: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{version:06d}"
 
 
+def checkpoint_version(checkpoint: Path) -> int:
+    """The trainer version a checkpoint holds (its meta.json)."""
+    return int(json.loads((Path(checkpoint) / "meta.json").read_text())["version"])
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     root = Path(run_dir) / "checkpoints"

@@ -367,6 +367,36 @@ class EvalConfig:
 
 
 @dataclass
+class RehearsalConfig:
+    """A paper preset rehearsed on a CPU (`+rehearsal=cpu`, pace/rehearsal/overlay.py): what a CPU
+    cannot have is swapped at start (each swap printed), everything else is the preset's."""
+
+    enabled: bool = False
+    applied: bool = False  # set when the swaps are made: a resumed rehearsal keeps its config as saved
+    # trainer.steps of the rehearsal (null: the preset's first periodic checkpoint and half a validation
+    # interval after it: a checkpoint, validations before and after it, the final ones)
+    steps: Optional[int] = None
+    engines: int = 2  # at most this many of the preset's rollout engines (of the preset's kind)
+    # The Accelerate config the preset is launched with (`accelerate launch --config_file`): its FSDP2
+    # plugin shards the trainer over the rehearsal's processes (gloo; Accelerate alone keeps DDP on a
+    # CPU: pace/rehearsal/fsdp.py), and its mixed precision is the trainer's. null: DDP, float32
+    accelerate_config: Optional[str] = "conf/accelerate/fsdp.yaml"
+    # One factor on the healing timeouts (engine_timeout_s, update_timeout_s, drain_timeout_s,
+    # restart_backoff_s), so that they bite at CPU speed (docs/rehearsal.md)
+    time_scale: float = 0.25
+    # Faults injected into the servers this run starts (pace/rehearsal/faults.py): engine `slow_engine`'s
+    # engine core runs 1/`slow_factor` of each second while it validates θ_`slow_version` (null: every
+    # validation; stopped and continued, SIGSTOP and SIGCONT: 200 is about one engine step a second); the
+    # weight update to θ_`block_update` finds engine `block_engine`'s engine core frozen (SIGSTOP) as its
+    # transfer begins. null: none
+    slow_engine: Optional[int] = None
+    slow_version: Optional[int] = None
+    slow_factor: float = 200.0
+    block_update: Optional[int] = None
+    block_engine: int = 1
+
+
+@dataclass
 class Config:
     exp_name: str = "default"
     device: str = "auto"  # auto | cpu | cuda
@@ -385,6 +415,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rehearsal: RehearsalConfig = field(default_factory=RehearsalConfig)
 
 
 # Config keys added after checkpoints existed -> the value that reproduces a run from before them

@@ -131,13 +131,6 @@ def write_model(path: Path, arch: dict, layers: int, tiny: bool) -> Path:
 def fsdp_plugin(path: Path = FSDP_YAML):
     """An accelerate config file's FSDP plugin, as `accelerate launch` builds it from the file (also
     the CPU tests' way to Accelerate's FSDP2 path: tests/integration/fsdp_prepare.py)."""
-    import yaml
-    from accelerate.utils import FullyShardedDataParallelPlugin
+    from pace.rehearsal.fsdp import plugin_from_yaml
 
-    fsdp = yaml.safe_load(path.read_text())["fsdp_config"]
-    kwargs = {k if k == "fsdp_version" else k.removeprefix("fsdp_"): v for k, v in fsdp.items()}
-    if "transformer_layer_cls_to_wrap" in kwargs:  # the launcher's name for the plugin's field
-        kwargs["transformer_cls_names_to_wrap"] = kwargs.pop("transformer_layer_cls_to_wrap").split(",")
-    kwargs.pop("cpu_ram_efficient_loading", None)  # a loading mode for hub checkpoints, set by the launcher's env
-    kwargs["cpu_offload"] = kwargs.pop("offload_params", False)
-    return FullyShardedDataParallelPlugin(**kwargs)
+    return plugin_from_yaml(path)

@@ -135,7 +135,7 @@ TIERS = ("unit", "integration")
 SHARED = {"tiny_tool_model_path": "tool",  # a 6.5-min build
           "study": "runs", "async_run": "runs", "sync_run": "runs"}  # runs that several files read
 FIRST = ("tool", "runs", *(f"integration/test_{name}.py" for name in (
-    "multiprocess", "remote", "delta_sync", "engine_rollout", "grader_processes", "engine_build", "stale_engine")))
+    "multiprocess", "rehearsal", "remote", "delta_sync", "engine_rollout", "grader_processes", "engine_build", "stale_engine")))
 
 
 def _units_of_work(items) -> dict:

@@ -37,6 +37,12 @@ class ValResult:
 class ValRequestsMixin:
     val_started: int | None = None  # the version whose validation was last submitted
 
+    @property
+    def validating(self) -> int | None:
+        """The version whose validation's requests are on the engines (submitted, not all graded), or None."""
+        val = getattr(self, "_val", None)
+        return None if val is None else val[1]
+
     def _maybe_validate(self, weights) -> None:
         """``weights``: a callable returning θ_v as (name, tensor) pairs (read only if v is due), or None."""
         v = self.engine_version
