@@ -376,6 +376,9 @@ class RehearsalConfig:
     # trainer.steps of the rehearsal (null: the preset's first periodic checkpoint and half a validation
     # interval after it: a checkpoint, validations before and after it, the final ones)
     steps: Optional[int] = None
+    # data.batch_prompts of the rehearsal, rollout.max_inflight_groups scaled with it (the preset's groups in
+    # flight a prompt of the batch kept). null: the preset's batch
+    batch_prompts: Optional[int] = None
     engines: int = 2  # at most this many of the preset's rollout engines (of the preset's kind)
     # The Accelerate config the preset is launched with (`accelerate launch --config_file`): its FSDP2
     # plugin shards the trainer over the rehearsal's processes (gloo; Accelerate alone keeps DDP on a

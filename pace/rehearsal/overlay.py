@@ -110,7 +110,7 @@ def apply(cfg, world: int, say: bool = True) -> list[Swap]:
         put("model.tiny.experts", MOE_EXPERTS, "the preset's model is a mixture of experts (pace/tiny_moe.py)")
     if cfg.model.dtype == "bfloat16" and not _bf16_matmuls():
         put("model.dtype", "float32", "this CPU has no bf16 matmuls (AVX512-BF16): vLLM's CPU engine falls back to "
-            "torch's, ~an order of magnitude slower")
+            "torch's linear layers")
     put("rollout.max_tokens", 96, "the tiny model's 256 positions")
     put("rollout.overlong_buffer", 16, "the tiny model's 256 positions")
     put("rollout.max_model_len", 256, "the tiny model's 256 positions")
@@ -146,6 +146,11 @@ def apply(cfg, world: int, say: bool = True) -> list[Swap]:
     # --- time ----------------------------------------------------------------------------------------
     steps = r.steps if r.steps is not None else default_steps(cfg.trainer.save_every, cfg.eval.every, cfg.trainer.steps)
     put("trainer.steps", steps, "rehearsal.steps")
+    if r.batch_prompts is not None and r.batch_prompts != cfg.data.batch_prompts:
+        per_prompt = cfg.rollout.max_inflight_groups / cfg.data.batch_prompts
+        put("data.batch_prompts", r.batch_prompts, "rehearsal.batch_prompts")
+        put("rollout.max_inflight_groups", max(r.batch_prompts, round(per_prompt * r.batch_prompts)),
+            f"rehearsal.batch_prompts: the preset's {per_prompt:g} groups in flight a prompt of the batch")
     for key in SCALED:
         value = OmegaConf.select(cfg, key)
         put(key, round(value * r.time_scale, 3), f"rehearsal.time_scale={r.time_scale:g}")

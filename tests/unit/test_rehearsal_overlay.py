@@ -67,6 +67,17 @@ def test_the_healing_timeouts_are_scaled_by_the_one_factor():
     assert cfg.rollout.server_start_timeout_s == original.rollout.server_start_timeout_s  # a CPU starts no faster
 
 
+@pytest.mark.parametrize("preset, inflight", [("pace_qwen3_8b_h100", 24), ("pace_qwen3_30b_a3b", 88)])
+def test_a_smaller_batch_keeps_the_presets_groups_in_flight_a_prompt(preset, inflight):
+    """rehearsal.batch_prompts=8: 96 / 32 = 3 groups in flight a prompt → 24; 352 / 32 = 11 → 88 (by hand)."""
+    cfg, swaps = _rehearsed(preset, "rehearsal.batch_prompts=8")
+    assert (cfg.data.batch_prompts, cfg.rollout.max_inflight_groups) == (8, inflight)
+    assert {"data.batch_prompts", "rollout.max_inflight_groups"} <= {s.key for s in swaps}
+    validate(cfg)
+    same, swaps = _rehearsed(preset)  # the default: the preset's batch
+    assert same.data.batch_prompts == 32 and "data.batch_prompts" not in {s.key for s in swaps}
+
+
 def test_the_moe_preset_gets_the_tiny_moe_and_no_routes():
     cfg, swaps = _rehearsed("pace_qwen3_30b_a3b")
     assert cfg.model.tiny.experts == overlay.MOE_EXPERTS
