@@ -59,7 +59,7 @@ SMALL = ["data.batch_prompts=4", "rollout.max_inflight_groups=12", "logger.mode=
          "rollout.restart_backoff_s=0.5", "logger.progress=false"]
 
 # --- the run's stderr lines (pace/rollout/failover.py, healing.py, pace/validation.py) -------------
-FAILED = re.compile(r"rollout engine (\d+) \(\S+\) failed[: ]")
+FAILED = re.compile(r"rollout engine (\d+) \(\S+\) (?:failed[: ]|did not answer )")
 READY = re.compile(r"rollout engine (\d+) \(\S+\) (?:started|answers) again \(restart \d+ of at most \d+\) at θ_(\d+)")
 SERVING = re.compile(r"rollout engine (\d+) \(\S+\) serves again: caught up with θ_(\d+)")
 VALIDATED = re.compile(r"validation of θ_(\d+): (?:.* in ([\d.]+) s)?")

@@ -406,13 +406,21 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
         self._out.put(None)
 
     def wait_failed(self, alive_before: set[int], timeout: float = 5.0) -> Server | None:
-        """A server of ``alive_before`` found failed within ``timeout`` s (the health checks' time), or None."""
+        """The server of ``alive_before`` to blame for a failed weight transfer, found within ``timeout`` s
+        (the health checks' time), or None. Once the trainer gives the transfer up and closes its group,
+        every live server's receive fails and it answers its weight call with an error: the one to blame
+        is one that did not answer — its call still unanswered or timed out, or it unreachable — before
+        one that answered with an error; among those, the first to fail."""
         deadline = time.monotonic() + timeout
         while True:
-            failed = [s for s in self.servers if s.index in alive_before and not s.in_group]
-            if failed or time.monotonic() > deadline:
-                return failed[0] if failed else None
+            ours = [s for s in self.servers if s.index in alive_before]
+            failed = sorted((s for s in ours if not s.in_group), key=lambda s: s.since)
+            unanswered = [s for s in ours if s.in_group and s.calling]
+            if (failed and not unanswered) or time.monotonic() > deadline:
+                break
             time.sleep(0.1)
+        silent = unanswered + [s for s in failed if not s.answered]
+        return (silent or failed or [None])[0]
 
     def take_failures(self) -> list[EngineFailure]:
         """Servers failed since the last call, each with the request ids it held (rollout thread)."""

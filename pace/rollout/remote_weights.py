@@ -41,9 +41,14 @@ class RemoteWeightsMixin:
 
         def timed(s):
             t0 = time.perf_counter()
+            s.calling, s.answered = True, True
             try:
                 return call(s)
+            except (requests.ConnectionError, requests.Timeout):
+                s.answered = False  # unreachable, or no answer within its timeout (wait_failed: to blame first)
+                raise
             finally:
+                s.calling = False
                 s.sync_s += time.perf_counter() - t0
 
         with ThreadPoolExecutor(max_workers=max(len(servers), 1), thread_name_prefix="pace-weights") as pool:

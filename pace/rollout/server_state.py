@@ -48,6 +48,8 @@ class Server:
     tokens: float | None = None  # its token counters' sum at the last probe (None: not read, or it has none)
     probed: float = 0.0  # when they were last read
     sync_s: float = 0.0  # seconds in weight-update calls, summed
+    calling: bool = False  # a weight call to it is unanswered
+    answered: bool = True  # its last weight call was answered (a server error is an answer: it ran)
     restarts: int = 0  # times started again (or re-admitted)
     since: float = 0.0  # when it failed, or was registered: its join time counts from here
     grouped: bool = False  # holds a weight-transfer engine of this run's trainer (released before a new one)

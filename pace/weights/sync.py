@@ -198,7 +198,9 @@ class WeightSync:
                 failure = exc
                 failed = None if fleet is None else fleet.wait_failed(known)
                 if failed is not None:
-                    failure = EngineFailed(f"rollout engine {failed.index} ({failed.url}) failed during the weight "
+                    how = "failed" if getattr(failed, "answered", True) and not getattr(failed, "calling", False) \
+                        else "did not answer"  # frozen, or unreachable: the others answered once the group closed
+                    failure = EngineFailed(f"rollout engine {failed.index} ({failed.url}) {how} during the weight "
                                            f"broadcast, which raised {_one_line(exc)}")
                     failure.__cause__ = exc
             self._agree(version, failure)

@@ -28,6 +28,8 @@ def test_lines_are_parsed_by_event_engine_and_version():
                       ("validated", None, 12), ("serving", 1, 14)]
     assert trials.parse(f"error: rollout engine 1 {URL} failed during the weight broadcast (RuntimeError): the run stops") \
         == ("failed", 1, None)
+    assert trials.parse(f"error: rollout engine 1 {URL} did not answer during the weight broadcast, which raised "
+                        "RuntimeError") == ("failed", 1, None)
     assert trials.parse("step 3: loss 0.1") is None
 
 

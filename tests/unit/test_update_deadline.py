@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -141,3 +142,72 @@ def test_an_aborted_update_is_not_finished_on_the_engines():
     with pytest.raises(TimeoutError, match="θ_3 was aborted"):
         client.finish_weight_update()
     assert labelled == [] and client.update is None
+
+
+class _Member(BaseHTTPRequestHandler):
+    """A stand-in server in the weight-transfer group: /update_weights waits for the trainer to close the
+    group (``closed``), then answers 500 as a live engine whose receive failed does; a frozen one never
+    answers within the call's timeout."""
+
+    closed = threading.Event()
+    frozen = False
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self._answer(200, b'{"world_size": 1}' if self.path.startswith("/get_world_size") else b"{}")
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path.startswith("/update_weights"):
+            if self.frozen:
+                time.sleep(30)
+                return
+            type(self).closed.wait(10)
+            self._answer(500, b'{"error": "gloo recv: connection closed by peer"}')
+        else:
+            self._answer(200, b"{}")
+
+    def _answer(self, code: int, body: bytes) -> None:
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_the_frozen_server_is_blamed_not_the_one_that_answered_once_the_group_closed(frozen):
+    """Engine ``frozen`` never answers its weight call; once the trainer gives the transfer up and closes the
+    group, the other answers with an error (its receive failed) and is failed first. The one to blame is the
+    silent one, whatever its index (before: the first failed, the live one, was named)."""
+    from pace.rollout.remote import RemoteFleet
+
+    _Member.closed.clear()
+    servers = []
+    for i in range(2):
+        handler = type(f"_Member{i}", (_Member,), {"frozen": i == frozen})
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+    fleet = RemoteFleet([f"http://127.0.0.1:{h.server_address[1]}" for h in servers], tokenizer=None,
+                        engine_timeout_s=60.0, stream_reader="thread", update_timeout_s=8.0)
+    try:
+        loading = threading.Thread(target=fleet.load, args=({"names": []},), daemon=True)
+        loading.start()
+        time.sleep(1.0)  # the transfer runs; the trainer's send to the frozen one never completes
+        _Member.closed.set()  # the trainer gives it up and closes the group: the live one's receive fails
+        blamed = fleet.wait_failed({0, 1}, timeout=5.0)
+        assert blamed is not None and blamed.index == frozen, blamed
+        live = fleet.servers[1 - frozen]
+        assert live.answered and not live.calling  # the live one answered (an error), and is not named
+    finally:
+        _Member.closed.set()
+        fleet.shutdown()
+        for h in servers:
+            h.shutdown()
