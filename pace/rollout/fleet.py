@@ -99,9 +99,10 @@ class Fleet(abc.ABC):
         """Engines failed since the last call, each with the requests it held (pace/rollout/failover.py)."""
         return []
 
-    def wait_failed(self, alive_before: set[int], timeout: float = 5.0):
-        """An engine of ``alive_before`` found failed within ``timeout`` s, or None."""
-        return None
+    def wait_failed(self, alive_before: set[int], timeout: float = 5.0) -> list:
+        """The engines of ``alive_before`` to blame for a failed weight transfer, found within ``timeout`` s
+        (each with its ``index`` and ``url``); [] when none can be named."""
+        return []
 
     def sync_seconds(self) -> dict[int, float]:
         """Seconds each engine spent in weight-update calls, summed over the run ({}: not timed)."""

@@ -405,12 +405,13 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
             asyncio.run_coroutine_threadsafe(self._revive(server, cause), self._loop)
         self._out.put(None)
 
-    def wait_failed(self, alive_before: set[int], timeout: float = 5.0) -> Server | None:
-        """The server of ``alive_before`` to blame for a failed weight transfer, found within ``timeout`` s
-        (the health checks' time), or None. Once the trainer gives the transfer up and closes its group,
-        every live server's receive fails and it answers its weight call with an error: the one to blame
-        is one that did not answer — its call still unanswered or timed out, or it unreachable — before
-        one that answered with an error; among those, the first to fail."""
+    def wait_failed(self, alive_before: set[int], timeout: float = 5.0) -> list[Server]:
+        """The servers of ``alive_before`` to blame for a failed weight transfer, found within ``timeout`` s
+        (the health checks' time); [] when none. Once the trainer gives the transfer up and closes its
+        group, a live server whose receive fails answers its weight call with an error: the ones to blame
+        are those that did not answer — the call still unanswered or timed out, or the server unreachable
+        —, else the first to fail. Several when the transfer left them all waiting (gloo's and NCCL's
+        receives wait for their own deadline): which of them stopped cannot be told from here."""
         deadline = time.monotonic() + timeout
         while True:
             ours = [s for s in self.servers if s.index in alive_before]
@@ -420,7 +421,7 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
                 break
             time.sleep(0.1)
         silent = unanswered + [s for s in failed if not s.answered]
-        return (silent or failed or [None])[0]
+        return silent or failed[:1]
 
     def take_failures(self) -> list[EngineFailure]:
         """Servers failed since the last call, each with the request ids it held (rollout thread)."""

@@ -194,14 +194,15 @@ class WeightSync:
                 if self.delta is not None:
                     self.delta.failed()  # what the engines hold is unknown: whole tensors next
                 self.source.finish()  # the gathers the other ranks wait in, the broadcast given up
-                self.sender.shutdown()  # the group's connections close: the live engines' receive fails, not waits
+                self.sender.shutdown()  # the group's connections close: a live engine's receive fails (or waits out its deadline)
                 failure = exc
-                failed = None if fleet is None else fleet.wait_failed(known)
-                if failed is not None:
-                    how = "failed" if getattr(failed, "answered", True) and not getattr(failed, "calling", False) \
-                        else "did not answer"  # frozen, or unreachable: the others answered once the group closed
-                    failure = EngineFailed(f"rollout engine {failed.index} ({failed.url}) {how} during the weight "
-                                           f"broadcast, which raised {_one_line(exc)}")
+                blamed = [] if fleet is None else fleet.wait_failed(known)
+                if blamed:
+                    silent = any(not getattr(s, "answered", True) or getattr(s, "calling", False) for s in blamed)
+                    named = " and ".join(f"{s.index} ({s.url})" for s in blamed)
+                    failure = EngineFailed(f"rollout engine{'s' * (len(blamed) > 1)} {named} "
+                                           f"{'did not answer' if silent else 'failed'} during the weight broadcast, "
+                                           f"which raised {_one_line(exc)}")
                     failure.__cause__ = exc
             self._agree(version, failure)
         self._update = None

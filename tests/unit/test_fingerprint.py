@@ -251,7 +251,7 @@ class _Rollout:
         self.sent_weights = fp.SentWeights()
         # a fleet of no engines (`rollout.engines=0`): nothing to load, nothing to fail
         self.fleet = SimpleNamespace(load=lambda info: None, transfer_workers=lambda: 0, alive=[], regroup_due=lambda admit: False, group_members=lambda: [],
-                                     wait_failed=lambda known: None)
+                                     wait_failed=lambda known: [])
         self.loaded: list[int] = []
 
     def init_weight_transfer_engine(self, info):

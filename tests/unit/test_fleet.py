@@ -114,5 +114,5 @@ def test_patches_a_worker_does_not_trust_load_are_labelled_and_kept_for_the_weig
 def test_engines_in_this_host_have_the_servers_defaults():
     fleet = EngineFleet([_LLM(0, []), _LLM(1, [], tp=2)])
     assert fleet.alive == [0, 1] and fleet.transfer_workers() == 3  # engines × their TP workers
-    assert fleet.take_failures() == [] and fleet.wait_failed({0, 1}, timeout=0.0) is None
+    assert fleet.take_failures() == [] and fleet.wait_failed({0, 1}, timeout=0.0) == []
     assert fleet.needs_regroup is False and fleet.sync_seconds() == {} and not fleet.in_process

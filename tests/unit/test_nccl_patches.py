@@ -280,7 +280,7 @@ class _Rollout:
     def __init__(self, untrusted: dict[int, str]):
         self.untrusted, self.loaded = untrusted, []
         self.fleet = SimpleNamespace(load=lambda info: None, transfer_workers=lambda: 0, alive=[], group_members=lambda: [],
-                                     regroup_due=lambda admit: False, wait_failed=lambda known: None,
+                                     regroup_due=lambda admit: False, wait_failed=lambda known: [],
                                      take_untrusted=lambda: self.untrusted.pop(self.loaded[-1], None))
 
     def init_weight_transfer_engine(self, info):

@@ -180,17 +180,19 @@ class _Member(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("frozen", [1, 0])
-def test_the_frozen_server_is_blamed_not_the_one_that_answered_once_the_group_closed(frozen):
-    """Engine ``frozen`` never answers its weight call; once the trainer gives the transfer up and closes the
-    group, the other answers with an error (its receive failed) and is failed first. The one to blame is the
-    silent one, whatever its index (before: the first failed, the live one, was named)."""
+@pytest.mark.parametrize("frozen", [{1}, {0}, {0, 1}])
+def test_the_servers_that_did_not_answer_are_blamed_not_one_that_answered_once_the_group_closed(frozen):
+    """The engines in ``frozen`` never answer their weight call; once the trainer gives the transfer up and
+    closes the group, any other answers with an error (its receive failed) and is failed first. The ones to
+    blame are the silent ones, whatever their index, every one of them when no other answered (gloo's receive
+    waits out its deadline: which one stopped cannot be told). Before, the first failed was named: the live
+    one, or with none failed yet, none."""
     from pace.rollout.remote import RemoteFleet
 
     _Member.closed.clear()
     servers = []
     for i in range(2):
-        handler = type(f"_Member{i}", (_Member,), {"frozen": i == frozen})
+        handler = type(f"_Member{i}", (_Member,), {"frozen": i in frozen})
         httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         httpd.daemon_threads = True
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -203,9 +205,9 @@ def test_the_frozen_server_is_blamed_not_the_one_that_answered_once_the_group_cl
         time.sleep(1.0)  # the transfer runs; the trainer's send to the frozen one never completes
         _Member.closed.set()  # the trainer gives it up and closes the group: the live one's receive fails
         blamed = fleet.wait_failed({0, 1}, timeout=5.0)
-        assert blamed is not None and blamed.index == frozen, blamed
-        live = fleet.servers[1 - frozen]
-        assert live.answered and not live.calling  # the live one answered (an error), and is not named
+        assert sorted(s.index for s in blamed) == sorted(frozen), blamed
+        for live in (s for s in fleet.servers if s.index not in frozen):
+            assert live.answered and not live.calling  # it answered (an error), and is not named
     finally:
         _Member.closed.set()
         fleet.shutdown()
