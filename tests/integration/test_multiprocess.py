@@ -346,34 +346,38 @@ def test_a_sigterm_to_a_two_process_run_always_checkpoints_and_resumes(tiny_mode
     check_staleness(groups)
 
 
-@pytest.mark.parametrize("fault, validation", [("rollout@3", []), ("rollout@6", ["eval.every=3", "data.arithmetic.n_val=24"])],
-                         ids=["training", "final-validation"])
-def test_a_rollout_failure_on_rank_0_stops_every_rank_with_a_checkpoint_and_resume_finishes(tiny_model_path, tmp_path,
-                                                                                            fault, validation):
-    """Rank 0's rollout thread dies (an injected fault once θ_3 exists; or once θ_6, the last, exists:
-    inside the final validation): every rank leaves the run with rank 0 and writes the checkpoint with
-    it (rank 1's shard beside rank 0's), each exits naming the cause, and `resume=` finishes the run
-    (the final validation redone). Before, rank 1 went on to its exit while rank 0 waited for it in the
-    checkpoint's first barrier (no checkpoint, rank 0 held until the control timeout); a final
-    validation that could not run lost the end-of-training checkpoint."""
+def test_a_rollout_failure_on_rank_0_stops_every_rank_with_a_checkpoint_and_resume_finishes(tiny_model_path, tmp_path):
+    """Rank 0's rollout thread dies — an injected fault once θ_3 exists (in training), and in the resumed run
+    once θ_6, the last, exists (inside the final validation): each time every rank leaves the run with rank 0
+    and writes the checkpoint with it (rank 1's shard beside rank 0's), each exits naming the cause, and a
+    last `resume=` finishes the run (the final validation redone). Before, rank 1 went on to its exit while
+    rank 0 waited for it in the checkpoint's first barrier (no checkpoint, rank 0 held until the control
+    timeout); a final validation that could not run lost the end-of-training checkpoint."""
     import os
 
     run = tmp_path / "run"
-    args = ["+exp=async_tiny", "trainer.steps=6", "data.batch_prompts=4", "rollout.max_inflight_groups=12", "eval.every=0",
-            "eval.at_start=false", "trainer.save_every=0", "logger.mode=disabled", "logger.progress=false",
-            "trainer.control_timeout_s=120", f"hydra.run.dir={run}", f"model.cache_dir={ROOT / 'data' / 'cache'}",
-            *validation]
-    proc = subprocess.run([*torchrun(2), str(ROOT / "tests/integration/faulty_train.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PACE_FAULT": fault})
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "error: stopped with trainer rank 0 (rollout failure: RuntimeError)" in proc.stderr, proc.stderr[-3000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["processes"] == 2 and summary["checkpoint"]
-    assert summary["steps"] == 6 if validation else summary["steps"] in (3, 4)  # θ_3 exists; a batch ready may train
-    ckpt = run / "checkpoints" / f"step-{summary['steps']:06d}"
-    written = {p.name for p in ckpt.iterdir()}
-    assert {"run_state.pkl", "random_states_0.pkl", "random_states_1.pkl"} <= written, written  # by both ranks
-    assert json.loads((ckpt / "meta.json").read_text())["reason"] == "rollout failure: RuntimeError"
+    args = ["+exp=async_tiny", "trainer.steps=6", "data.batch_prompts=4", "rollout.max_inflight_groups=12", "eval.every=3",
+            "data.arithmetic.n_val=24", "eval.at_start=false", "trainer.save_every=0", "logger.mode=disabled",
+            "logger.progress=false", "trainer.control_timeout_s=120", f"hydra.run.dir={run}",
+            f"model.cache_dir={ROOT / 'data' / 'cache'}"]
+
+    def stopped(fault: str, args: list[str]) -> dict:
+        proc = subprocess.run([*torchrun(2), str(ROOT / "tests/integration/faulty_train.py"), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "PACE_FAULT": fault})
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        assert "error: stopped with trainer rank 0 (rollout failure: RuntimeError)" in proc.stderr, proc.stderr[-3000:]
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["processes"] == 2 and summary["checkpoint"]
+        ckpt = run / "checkpoints" / f"step-{summary['steps']:06d}"
+        written = {p.name for p in ckpt.iterdir()}
+        assert {"run_state.pkl", "random_states_0.pkl", "random_states_1.pkl"} <= written, written  # by both ranks
+        assert json.loads((ckpt / "meta.json").read_text())["reason"] == "rollout failure: RuntimeError"
+        return summary
+
+    in_training = stopped("rollout@3", args)
+    assert in_training["steps"] in (3, 4)  # θ_3 exists; a batch ready may train
+    in_validation = stopped("rollout@6", [f"resume={run}", "logger.progress=false"])
+    assert in_validation["steps"] == 6 and in_validation["resumed_from"].endswith(f"step-{in_training['steps']:06d}")
     resumed = subprocess.run([*torchrun(2), str(ROOT / "train.py"), f"resume={run}", "logger.progress=false"], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -381,6 +385,5 @@ def test_a_rollout_failure_on_rank_0_stops_every_rank_with_a_checkpoint_and_resu
     assert after["status"] == "finished" and after["steps"] == 6 and after["processes"] == 2
     fates = after["fates"]
     assert fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted")
-    if validation:  # θ_6's validation, which the failure cut, was redone and logged
-        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert 6 in [m["val/version"] for m in metrics if "val/avg" in m]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert 6 in [m["val/version"] for m in metrics if "val/avg" in m]  # θ_6's, which the failure cut, redone
