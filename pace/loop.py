@@ -4,6 +4,7 @@ names; the simulator logs the same ones, pace/sim/run.py).
 """
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from pace.records import Fate
@@ -13,14 +14,33 @@ if TYPE_CHECKING:
     from pace.signals import StopSignal
 
 
-def wait_for_batch(pool, rollout, step: int, stop: StopSignal):
+FILTERED_WARN_S = 300.0  # a wait this long in which every group completed was filtered is said, and again each as long
+
+
+def wait_for_batch(pool, rollout, step: int, stop: StopSignal, warn_s: float = FILTERED_WARN_S):
     """Block until the pool policy forms batch `step`; re-raise a rollout failure within 0.5 s.
-    None once a stop is requested (no batch is formed then)."""
+    None once a stop is requested (no batch is formed then). A wait of ``warn_s`` in which groups
+    completed and every one was filtered says so in one line (a batch may never form: the policy's
+    responses all right or all wrong, or an engine computing garbage), and again every ``warn_s``."""
+    import time
+
+    start, began = pool.counts(), time.monotonic()
+    said = began
     while not stop.requested:
         rollout.check()  # before forming: a batch once formed is trained on (or counted as dropped)
         batch = pool.form_batch(step, timeout=0.5)
         if batch is not None:
             return batch
+        if time.monotonic() - said >= warn_s:
+            said = time.monotonic()
+            now = pool.counts()
+            moved = {k: now[k] - start[k] for k in ("filtered", "pooled", "consumed", "rejected")}
+            if moved["filtered"] > 0 and not any(moved[k] for k in ("pooled", "consumed", "rejected")):
+                print(f"warning: batch {step} not formed after {said - began:.0f} s: every one "
+                      f"of the {moved['filtered']} groups completed meanwhile was filtered (one reward for all its "
+                      "responses, DAPO's dynamic sampling): the policy is all right or all wrong on them, or its "
+                      "engines compute something else (the reload probe, rollout.reload_probe)", file=sys.stderr,
+                      flush=True)
     return None
 
 
