@@ -278,9 +278,10 @@ def _exited(proc, deadline: float) -> bool:
     if fd is not None:
         import select
 
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            return bool(ready)
+        try:  # poll, not select: a process with a thousand files open gets pidfds past select's 1024
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
         finally:
             os.close(fd)
     delay = 0.002

@@ -97,3 +97,28 @@ def test_the_process_fallback_still_enforces_limits():
         assert sb.run("while True: pass").status == "killed"
     with pytest.raises(ValueError, match="tools.sandbox='docker' is not one of bwrap, process"):
         Sandbox("docker")
+
+
+def test_a_program_runs_in_a_process_with_a_thousand_files_open(sandbox):
+    """The wait for a program's exit holds a pidfd: past fd 1023 (the ReTool rehearsal's trainer, its
+    servers' connections and tool pipes open) select() raised 'filedescriptor out of range' and killed the
+    rollout thread. Every fd below 1100 is taken here, so the pidfd's number is past select's limit."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE {hard}: cannot open 1100 files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while (fd := os.open(os.devnull, os.O_RDONLY)) < 1100:
+            held.append(fd)
+        os.close(fd)  # the lowest free number is now past 1023: the next pidfd's
+        assert min(held) < 1024 <= max(held)
+        r, _ = run(sandbox, "print(6 * 7)")
+        assert r.status == "ok" and r.output == "42\n", r
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
