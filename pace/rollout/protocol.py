@@ -75,6 +75,24 @@ async def post(session, url: str, body: dict, fresh=None):
         return await (fresh or session).post(url, json=again)
 
 
+def allow_open_files() -> int:
+    """A connection a request in flight — thousands on a GPU node (192 groups × 16 responses), past the soft
+    limit of 1024 open files many clusters set — so the process that holds them raises its soft limit to
+    the hard one (vLLM's API server does as much for itself: `vllm.utils.system_utils.set_ulimit`). The
+    soft limit after."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = max(soft, 65536) if hard == resource.RLIM_INFINITY else hard
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 def fresh_session():
     """A session whose every request opens a connection of its own (`post`'s second try)."""
     import aiohttp

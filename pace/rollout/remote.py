@@ -70,6 +70,9 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
                  engine_timeout_s: float = 120.0, max_restarts: int = 0, restart_backoff_s: float = 2.0,
                  start_timeout_s: float = 900.0, drain_timeout_s: float = 300.0, stream_reader: str = "process",
                  transfer_address: str | None = None, update_timeout_s: float = WEIGHT_CALL_TIMEOUT_S):
+        from pace.rollout.protocol import allow_open_files
+
+        allow_open_files()  # a connection a request in flight: thousands on a GPU node
         self.servers = [Server(i, u.rstrip("/"), (processes or [None] * len(urls))[i]) for i, u in enumerate(urls)]
         self.tokenizer = tokenizer
         # where the weight-transfer group (nccl, gloo) meets trainer rank 0 (None: no group, shm): on the
