@@ -123,7 +123,7 @@ def _average(table: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["preset", "finished", "steps", "runs", "checkpoints", "validations", "failed / restarted", "stops",
+    head = ["preset", "finished", "steps", "runs", "checkpoints kept", "validations", "failed / restarted", "stops",
             "selected", "Table 1 avg", "minutes"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.integration
 PRESET = "pace_qwen3_8b_h100"
 # Shortened for CI's minutes: 6 steps (the update to θ_3 frozen, θ_0 and θ_6 validated), 8 prompts a step (of 16
 # responses, as the preset; 24 groups in flight, the preset's 3 a prompt), 10 problems a validation set, and the
-# update deadline 30 s (120 × 0.25, where the preset's 600 s × 0.25 waits 150 s). scripts/rehearse.py runs the preset whole (docs/rehearsal.md).
+# update deadline 30 s (120 × 0.25, where the preset's 600 s × 0.25 waits 150 s). scripts/rehearse.py runs the preset
+# whole (docs/rehearsal.md).
 STEPS = 6
 SMALL = [f"rehearsal.steps={STEPS}", "rehearsal.batch_prompts=8", "eval.val_max_problems=10",
          "rollout.update_timeout_s=120"]
