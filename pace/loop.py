@@ -5,6 +5,7 @@ names; the simulator logs the same ones, pace/sim/run.py).
 from __future__ import annotations
 
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from pace.records import Fate
@@ -22,8 +23,6 @@ def wait_for_batch(pool, rollout, step: int, stop: StopSignal, warn_s: float = F
     None once a stop is requested (no batch is formed then). A wait of ``warn_s`` in which groups
     completed and every one was filtered says so in one line (a batch may never form: the policy's
     responses all right or all wrong, or an engine computing garbage), and again every ``warn_s``."""
-    import time
-
     start, began = pool.counts(), time.monotonic()
     said = began
     while not stop.requested:

@@ -48,7 +48,7 @@ from pace.rollout import request_ids
 from pace.rollout.fleet import Fleet
 from pace.rollout.healing import HealingMixin
 from pace.rollout.remote_weights import WEIGHT_CALL_TIMEOUT_S, RemoteWeightsMixin
-from pace.rollout.protocol import (GENERATE, Output, completion, completion_from, flat_logprobs, params_json, post,
+from pace.rollout.protocol import (GENERATE, Output, allow_open_files, completion, completion_from, flat_logprobs, params_json, post,
                                    prompt_logprobs_from, sse_payloads)
 from pace.rollout.server_state import (DEAD, DRAINING, PROBE_EVERY_S, SERVING, WATCHED, EngineFailure, Server, tokens_counted,
                                        world_size)
@@ -70,8 +70,6 @@ class RemoteFleet(HealingMixin, RemoteWeightsMixin, Fleet):
                  engine_timeout_s: float = 120.0, max_restarts: int = 0, restart_backoff_s: float = 2.0,
                  start_timeout_s: float = 900.0, drain_timeout_s: float = 300.0, stream_reader: str = "process",
                  transfer_address: str | None = None, update_timeout_s: float = WEIGHT_CALL_TIMEOUT_S):
-        from pace.rollout.protocol import allow_open_files
-
         allow_open_files()  # a connection a request in flight: thousands on a GPU node
         self.servers = [Server(i, u.rstrip("/"), (processes or [None] * len(urls))[i]) for i, u in enumerate(urls)]
         self.tokenizer = tokenizer

@@ -198,7 +198,7 @@ class WeightSync:
                 failure = exc
                 blamed = [] if fleet is None else fleet.wait_failed(known)
                 if blamed:
-                    silent = any(not getattr(s, "answered", True) or getattr(s, "calling", False) for s in blamed)
+                    silent = any(not s.answered or s.calling for s in blamed)  # servers (pace/rollout/server_state.py)
                     named = " and ".join(f"{s.index} ({s.url})" for s in blamed)
                     failure = EngineFailed(f"rollout engine{'s' * (len(blamed) > 1)} {named} "
                                            f"{'did not answer' if silent else 'failed'} during the weight broadcast, "
