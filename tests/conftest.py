@@ -73,7 +73,7 @@ def tiny_tool_model_path() -> str:
 def async_run(tiny_model_path, tmp_path_factory):
     """Async, 6 steps at B = 8 with 32 groups in flight, logged offline to wandb too, the effective
     staleness recorded on every consumed group (`pool.record_effective=1.0`): what
-    test_train_e2e.py's logging and test_record_effective_run.py read."""
+    test_shared_runs.py's logging and test_record_effective_run.py read."""
     from tests.helpers import run_train
 
     run_dir = tmp_path_factory.mktemp("async_run")
@@ -86,8 +86,7 @@ def async_run(tiny_model_path, tmp_path_factory):
 @pytest.fixture(scope="session")
 def sync_run(tiny_model_path, tmp_path_factory):
     """Sync, 10 steps at B = 8, repeatable (`rollout.deterministic`), checkpoints at steps 3, 6, 9
-    and 10, all kept: test_train_e2e.py checks it is on-policy, test_resume.py that a resume from
-    step 3 equals it."""
+    and 10, all kept: test_shared_runs.py checks it is on-policy and that a resume from step 3 equals it."""
     from tests.helpers import run_train
 
     run_dir = tmp_path_factory.mktemp("sync_run")
@@ -113,7 +112,7 @@ STUDY_SWEEPS = {
 def study(tiny_model_path, tmp_path_factory):
     """Short tiny runs of every method the figures need, as two `train.py -m` sweeps (one folder
     each under the returned root): what test_analysis_runs.py builds into figures and tables, and
-    test_train_e2e.py's check of a multirun's job folders reads."""
+    test_shared_runs.py's check of a multirun's job folders reads."""
     import subprocess
     import sys
 
@@ -135,7 +134,8 @@ TIERS = ("unit", "integration")
 SHARED = {"tiny_tool_model_path": "tool",  # a 6.5-min build
           "study": "runs", "async_run": "runs", "sync_run": "runs"}  # runs that several files read
 FIRST = ("tool", "runs", *(f"integration/test_{name}.py" for name in (
-    "multiprocess", "rehearsal", "remote", "delta_sync", "engine_rollout", "grader_processes", "engine_build", "stale_engine")))
+    "multiprocess", "resume", "rehearsal", "remote", "train_e2e", "delta_sync", "engine_rollout", "grader_processes",
+    "engine_build", "stale_engine")))
 
 
 def _units_of_work(items) -> dict:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-RUN = ["+exp=sync_tiny", "rollout.engines=2", "rollout.engine_process=child", "rollout.weight_transfer=gloo",
+RUN = ["+exp=sync_tiny", "data.batch_prompts=8", "rollout.engines=2", "rollout.engine_process=child", "rollout.weight_transfer=gloo",
        "rollout.weight_delta=true", "rollout.full_sync_every=3",
        # float32 moves nearly every element each step: a delta anyway, so every sync after a full one is one
        "rollout.delta_max_frac=1.0", "eval.every=0", "logger.mode=disabled"]

@@ -231,7 +231,7 @@ def test_several_child_engines_take_weights_over_gloo_and_stay_on_policy(tiny_mo
     No host copy of θ reaches the validation over gloo: the trainer copies each validated version
     for <run>/best (every rank gathers it), here θ_2 (the best within 2 updates), checkpointed too."""
     launcher = [*torchrun(processes)] if processes > 1 else [sys.executable]
-    cmd = [*launcher, str(ROOT / "train.py"), "+exp=sync_tiny", "trainer.steps=3", f"rollout.engines={engines}",
+    cmd = [*launcher, str(ROOT / "train.py"), "+exp=sync_tiny", "trainer.steps=3", "data.batch_prompts=8", f"rollout.engines={engines}",
            "rollout.engine_process=child", "rollout.weight_transfer=gloo", "logger.mode=disabled",
            "eval.every=2", "eval.at_start=false", "eval.k=2", "data.arithmetic.n_val=8", "eval.best_within=2",
            "trainer.save_every=2", "logger.progress=false", f"hydra.run.dir={tmp_path}"]
