@@ -60,15 +60,19 @@ SMALL = ["data.batch_prompts=4", "rollout.max_inflight_groups=12", "logger.mode=
 
 # --- the run's stderr lines (pace/rollout/failover.py, healing.py, pace/validation.py) -------------
 FAILED = re.compile(r"rollout engine (\d+) \(\S+\) (?:failed[: ]|did not answer )")
+# the weight broadcast's stop names every engine it blames (pace/weights/sync.py): "engines 0 (…) and 1 (…)"
+FAILED_MANY = re.compile(r"rollout engines ((?:\d+ \(\S+\) and )+\d+ \(\S+\)) (?:failed|did not answer) ")
 READY = re.compile(r"rollout engine (\d+) \(\S+\) (?:started|answers) again \(restart \d+ of at most \d+\) at θ_(\d+)")
 SERVING = re.compile(r"rollout engine (\d+) \(\S+\) serves again: caught up with θ_(\d+)")
 VALIDATED = re.compile(r"validation of θ_(\d+): (?:.* in ([\d.]+) s)?")
 
 
 def parse(line: str) -> tuple[str, int | None, int | None] | None:
-    """(event, engine, version) of a line that matters here, else None: failed (engine), ready
-    (engine, the version it is ready at), serving (engine, the version it was caught up with),
-    budget (engine), validated (version), error."""
+    """(event, engine, version) of a line that matters here, else None: failed (engine; a tuple of
+    engines where the line names several), ready (engine, the version it is ready at), serving
+    (engine, the version it was caught up with), budget (engine), validated (version), error."""
+    if m := FAILED_MANY.search(line):
+        return "failed", tuple(int(e) for e in re.findall(r"(\d+) \(\S+\)", m[1])), None
     if m := READY.search(line):
         return "ready", int(m[1]), int(m[2])
     if m := SERVING.search(line):
@@ -92,7 +96,7 @@ def timings(lines: list[tuple[float, str]], kill_t: float, engine: int, sync_eve
     ready_v = None
     for t, line in lines:
         ev = parse(line)
-        if t < kill_t or ev is None or ev[1] != engine:
+        if t < kill_t or ev is None or engine not in (ev[1] if isinstance(ev[1], tuple) else (ev[1],)):
             continue
         if ev[0] == "failed" and out["detect_s"] is None:
             out["detect_s"] = t - kill_t

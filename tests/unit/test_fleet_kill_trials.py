@@ -30,6 +30,10 @@ def test_lines_are_parsed_by_event_engine_and_version():
         == ("failed", 1, None)
     assert trials.parse(f"error: rollout engine 1 {URL} did not answer during the weight broadcast, which raised "
                         "RuntimeError") == ("failed", 1, None)
+    both = (f"error: the weight update to θ_22 failed: EngineFailed: rollout engines 0 {URL} and 1 "
+            "(http://127.0.0.1:40999) did not answer during the weight broadcast, which raised RuntimeError: x")
+    assert trials.parse(both) == ("failed", (0, 1), None)
+    assert trials.timings([(12.0, both)], kill_t=10.0, engine=1, sync_every=1)["detect_s"] == 2.0
     assert trials.parse("step 3: loss 0.1") is None
 
 
