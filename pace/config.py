@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ModelConfig:
-    # Hub id or local directory. `null` builds the embedded tiny model (cached under `cache_dir`).
+    # Hub id or local directory. `null`: the embedded tiny model (committed in data/tiny/, or built into `cache_dir`).
     path: Optional[str] = None
     dtype: str = "float32"  # trainer and engine dtype: float32 | bfloat16 | float16
     gradient_checkpointing: bool = False
