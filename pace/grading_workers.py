@@ -13,9 +13,8 @@ A worker that cannot start (spawn raises, or it dies or fails while warming up) 
 back-off (``START_BACKOFF_S``, doubling) up to ``START_ATTEMPTS`` times, then its slot is given up
 (``dead``); `pace.grading.Grader` fails once every slot is.
 
-Spawn re-imports the parent's ``__main__`` in each worker: entry points must keep their work under
-``if __name__ == "__main__":`` (without it every worker dies at start and the grader fails, naming
-this). The parent imports math-verify only if it grades itself.
+A worker is spawned without the parent's main script (pace/spawning.py): it imports this module and
+math-verify, not train.py's torch and vLLM. The parent imports math-verify only if it grades itself.
 """
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 
 from pace import reward
 from pace.grading_job import GradeJob
+from pace.spawning import without_main
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,8 @@ START_ATTEMPTS = 4
 START_BACKOFF_S = 0.5
 
 NO_WORKER_HINT = (
-    "a worker that dies as it starts is most often a script that creates a Grader without keeping its "
-    'work under `if __name__ == "__main__":` (spawned workers import the main module), or a machine out '
-    "of memory or processes"
+    "a worker that dies as it starts is most often a machine out of memory or processes, or a Python "
+    "environment in which pace.reward cannot be imported (math-verify missing)"
 )
 
 
@@ -118,7 +117,8 @@ class WorkerSlot:
             self.job, self.ready, self.retry_at = None, False, None
             self.started = time.monotonic()
             self.executor = _new_executor()
-            self.future = self.executor.submit(_warmup)  # spawns the process
+            with without_main():  # the worker runs pace.reward only, not train.py's imports (pace/spawning.py)
+                self.future = self.executor.submit(_warmup)  # spawns the process
             self.future.add_done_callback(on_done)
         except Exception as exc:  # noqa: BLE001 - fork/spawn failed: retried with back-off
             self.start_failed(f"starting the worker raised {exc!r}", traceback.format_exc())

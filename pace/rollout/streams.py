@@ -161,11 +161,14 @@ class StreamReader:
         import multiprocessing as mp
         import threading
 
+        from pace.spawning import without_main
+
         ctx = mp.get_context("spawn")
         commands, self._commands = ctx.Pipe(duplex=False)
         self._results, results = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=main, args=(commands, results, keepalive_s), name="pace-streams", daemon=True)
-        self.process.start()
+        with without_main():  # it runs this module only, not train.py's imports
+            self.process.start()
         commands.close()
         results.close()
         self._deliver = deliver
