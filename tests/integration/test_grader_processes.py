@@ -188,29 +188,28 @@ def test_a_worker_that_never_starts_fails_the_grader_with_its_cause(monkeypatch)
     assert backoff - 0.1 < elapsed < backoff + 5  # retried with back-off, then loud within seconds
 
 
-def test_a_worker_that_dies_while_starting_fails_the_grader_naming_the_main_guard(monkeypatch) -> None:
+def test_a_worker_that_dies_while_starting_fails_the_grader_with_the_likely_causes(monkeypatch) -> None:
     monkeypatch.setattr(grading_workers, "_warmup", _dying_warmup)
     with Grader(workers=1, timeout_s=5.0) as g:
         with pytest.raises(GraderError, match="BrokenProcessPool") as info:
             g.submit(["Answer: 1"], ["1"]).result(timeout=60)
-    assert '__name__ == "__main__"' in str(info.value)
+    assert grading_workers.NO_WORKER_HINT in str(info.value)
 
 
-def test_a_script_without_a_main_guard_fails_loudly(tmp_path) -> None:
-    """A failure seen, reproduced: spawned workers re-run the script and cannot start;
-    the 20 answers came back all False with no exception."""
+def test_a_script_without_a_main_guard_grades(tmp_path) -> None:
+    """Workers are spawned without the script (pace/spawning.py), so one without `if __name__ == "__main__":`
+    grades. (Before, each worker re-ran the script, whose Grader spawned again, and could not start:
+    the 20 answers came back all False with no exception, later a GraderError.)"""
     script = tmp_path / "grade_script.py"
     script.write_text(
         f"import sys\nsys.path.insert(0, {str(grading_workers.__file__.rsplit('/pace/', 1)[0])!r})\n"
         "from pace.grading import Grader\n"
         "g = Grader(workers=1, timeout_s=5)\n"
-        "print('scores', g.grade(['Answer: 1'] * 20, ['1'] * 20), g.stats())\n"
+        "print('scores', g.grade(['Answer: 1', 'Answer: 2'] * 10, ['1'] * 20), g.stats())\n"
     )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode != 0, proc.stdout
-    assert "scores" not in proc.stdout
-    assert "GraderError: grader failed: no grading worker could start" in proc.stderr
-    assert '__name__ == "__main__"' in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"scores {[True, False] * 10}" in proc.stdout and "'reward/restarts': 0" in proc.stdout, proc.stdout
 
 
 def test_the_watchdog_raising_fails_every_caller_with_its_traceback(monkeypatch) -> None:
