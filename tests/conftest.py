@@ -65,7 +65,7 @@ def tiny_tool_model_path() -> str:
 
 
 # ---------------------------------------------------------------- finished runs that several tests read
-# Each costs a `train.py` start (~20 s on 2 cores before the first step), so a run whose outputs
+# Each costs a `train.py` start (~25 CPU-seconds of imports alone: docs/tests.md), so a run whose outputs
 # several tests check is made once. The tests read these folders and never write into them (one that
 # resumes a run copies it first).
 
@@ -130,8 +130,8 @@ TIERS = ("unit", "integration")
 # of work that one worker runs whole (its module fixtures are built once), except the files whose tests
 # use one of these session fixtures: they go to one worker together (the fixture is built once). Units go
 # out in FIRST's order, the longest (serial seconds on 2 cores) first, then the other integration files,
-# then the unit tests, which fill the end: the two tiny models' builds start at once, one on each worker.
-SHARED = {"tiny_tool_model_path": "tool",  # a 6.5-min build
+# then the unit tests, which fill the end.
+SHARED = {"tiny_tool_model_path": "tool",  # the tool files' runs (the model itself ships built: data/tiny/)
           "study": "runs", "async_run": "runs", "sync_run": "runs"}  # runs that several files read
 FIRST = ("tool", "runs", *(f"integration/test_{name}.py" for name in (
     "multiprocess", "resume", "rehearsal", "remote", "train_e2e", "delta_sync", "engine_rollout", "grader_processes",
