@@ -55,6 +55,15 @@ log = logging.getLogger(__name__)
 # rebuilds them). A spec of another key is built into the cache as before.
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "tiny"
 
+
+def shipped_specs() -> dict[str, TinySpec]:
+    """name → spec of each model `SHIPPED` holds: the default and the tool model of conf/model/tiny_tool.yaml."""
+    from omegaconf import OmegaConf
+
+    tool_yaml = OmegaConf.load(SHIPPED.parents[1] / "conf" / "model" / "tiny_tool.yaml")
+    tool = OmegaConf.merge(OmegaConf.structured(TinySpec), tool_yaml.tiny)
+    return {"default": TinySpec(), "tool": OmegaConf.to_object(tool)}
+
 PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
 VOCAB_SIZE = 128
 # One token per character: every printable ASCII character plus newline and tab, so any
@@ -111,10 +120,11 @@ def build_tiny(spec: TinySpec, cache_dir: str | Path, progress: bool = True, shi
     it (the ranks of a launch, parallel test workers): one builds, the others wait and load its
     result.
     """
-    if shipped and (SHIPPED / f"tiny-{spec.key()}" / "meta.json").exists():
-        return SHIPPED / f"tiny-{spec.key()}"
+    name = f"tiny-{spec.key()}"
+    if shipped and (SHIPPED / name / "meta.json").exists():
+        return SHIPPED / name
     cache_dir = Path(cache_dir)
-    target = cache_dir / f"tiny-{spec.key()}"
+    target = cache_dir / name
     if (target / "meta.json").exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)

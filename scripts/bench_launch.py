@@ -5,9 +5,9 @@
 Runs a short tiny run (default: `+exp=async_tiny`, 2 steps at B = 4, no validation, nothing logged) in each
 checkout in turn, `--repeats` rounds, and prints per checkout the median wall seconds and the CPU
 seconds the machine was busy meanwhile (/proc/stat: every process the run started, those left to init
-included, which a rusage of its children misses), with each checkout's ratio to the first. Most of a short run is its fixed cost (imports, engine, helper processes, teardown),
-which is what the test suite pays at each of its launches (docs/tests.md). Run it with nothing else on
-the machine.
+included, which a rusage of its children misses), with each checkout's ratio to the first. Most of a short
+run is its fixed cost (imports, engine, helper processes, teardown), which is what the test suite pays at each
+of its launches (docs/tests.md). Run it with nothing else on the machine.
 """
 from __future__ import annotations
 

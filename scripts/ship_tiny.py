@@ -17,21 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def shipped_specs() -> dict:
-    """name → TinySpec of each model data/tiny/ holds."""
-    from omegaconf import OmegaConf
-
-    from pace.tiny_spec import TinySpec
-
-    tool = OmegaConf.merge(OmegaConf.structured(TinySpec), OmegaConf.load(ROOT / "conf/model/tiny_tool.yaml").tiny)
-    return {"default": TinySpec(), "tool": OmegaConf.to_object(tool)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rebuild", action="store_true", help="build every shipped model again")
     args = parser.parse_args()
-    from pace.tiny import SHIPPED, build_tiny
+    from pace.tiny import SHIPPED, build_tiny, shipped_specs
 
     keep = set()
     for name, spec in shipped_specs().items():

@@ -56,12 +56,9 @@ def weights(tiny_model_path):
 @pytest.fixture(scope="session")
 def tiny_tool_model_path() -> str:
     """The tiny tool-use model of conf/model/tiny_tool.yaml (what the *_tiny_tool presets build)."""
-    from omegaconf import OmegaConf
+    from pace.tiny import build_tiny, shipped_specs
 
-    from pace.tiny import TinySpec, build_tiny
-
-    spec = OmegaConf.merge(OmegaConf.structured(TinySpec), OmegaConf.load(ROOT / "conf/model/tiny_tool.yaml").tiny)
-    return str(build_tiny(OmegaConf.to_object(spec), ROOT / "data" / "cache", progress=False))
+    return str(build_tiny(shipped_specs()["tool"], ROOT / "data" / "cache", progress=False))
 
 
 # ---------------------------------------------------------------- finished runs that several tests read

@@ -1,19 +1,12 @@
 """The committed tiny models (data/tiny/): one for each current default spec, none stale, used without a build."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from pace.tiny import SHIPPED, build_tiny
+from pace.tiny import SHIPPED, build_tiny, shipped_specs
 from pace.tiny_spec import BUILD_VERSION
-from tests.helpers import ROOT
-
-spec = importlib.util.spec_from_file_location("ship_tiny", ROOT / "scripts" / "ship_tiny.py")
-ship_tiny = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ship_tiny)
-shipped_specs = ship_tiny.shipped_specs
 
 pytestmark = pytest.mark.unit
 
