@@ -28,7 +28,7 @@ from pace.algo.precision import mixed_precision
 from pace.config import register
 from pace.config_checks import check_model, check_processes, validate
 from pace.control import Control
-from pace.errors import ConfigError, DataError, RolloutError, StoppedWithRank0, UserError
+from pace.errors import ConfigError, DataError, RolloutError, StoppedWithRank0, UpdateFailed, UserError
 from pace.launch import default_group, resolve_device, resolve_model
 from pace.loop import step_metrics, wait_for_batch
 from pace.memory import release_free_heap, rss_mib
@@ -39,7 +39,6 @@ from pace.rollout import stopping
 from pace.signals import StopSignal, deafen_children
 from pace.tasks import loading
 from pace.weights.mismatch import MismatchGuard, SyncMismatch
-from pace.weights.sync import UpdateFailed
 
 register()
 rundir.register()  # ${pace.rank0_dir:…} in conf/config.yaml's hydra section

@@ -32,3 +32,12 @@ class StoppedWithRank0(RuntimeError):
 class UserError(Exception):
     """Bad input that is not one config key's value (no GPU for a GPU preset, a model that cannot be
     found): printed as one line, exit status 2."""
+
+
+class UpdateFailed(RuntimeError):
+    """A weight update that did not reach the engines, on every trainer rank: the run stops with a
+    checkpoint (`resume=` publishes θ again). ``why``: rank 0's cause, in one line."""
+
+    def __init__(self, version: int, why: str):
+        super().__init__(f"the weight update to θ_{version} failed: {why}; checkpointed: resume= goes on")
+        self.version, self.why = version, f"weight update failed: {why}"

@@ -35,7 +35,7 @@ import threading
 
 import torch
 
-from pace.errors import EngineFailed, RolloutError
+from pace.errors import EngineFailed, RolloutError, UpdateFailed
 from pace.net import free_port, transfer_address
 from pace.placement import Placement
 from pace.weights import transfer
@@ -364,15 +364,6 @@ class BlockingClient:
             raise TimeoutError(f"the weight update to θ_{update.version} was aborted at rollout.update_timeout_s")
         self._run(lambda: self.rollout.end_update(update.version))
         self.update = None
-
-
-class UpdateFailed(RuntimeError):
-    """A weight update that did not reach the engines, on every trainer rank: the run stops with a
-    checkpoint (`resume=` publishes θ again). ``why``: rank 0's cause, in one line."""
-
-    def __init__(self, version: int, why: str):
-        super().__init__(f"the weight update to θ_{version} failed: {why}; checkpointed: resume= goes on")
-        self.version, self.why = version, f"weight update failed: {why}"
 
 
 def _one_line(exc: BaseException) -> str:
