@@ -23,13 +23,13 @@ pytestmark = pytest.mark.integration
 
 PRESET = "pace_qwen3_8b_h100"
 # Shortened for CI's minutes: 6 steps (the update to θ_3 frozen, θ_0 and θ_6 validated), 8 prompts a step (of 16
-# responses, as the preset; 24 groups in flight, the preset's 3 a prompt), 5 problems a validation set (the slowed
-# final validation took 133 s alone, 4x the engine timeout it must outlast), and the
-# update deadline 30 s (120 × 0.25, where the preset's 600 s × 0.25 waits 150 s). scripts/rehearse.py runs the preset
-# whole (docs/rehearsal.md).
+# responses, as the preset; 24 groups in flight, the preset's 3 a prompt), 5 problems a validation set, engine 0
+# slowed 100x, not 200x (the slowed final validation took 96-133 s at 200x, 70 s at 100x: still past the 30 s
+# engine timeout it must outlast), and the update deadline 20 s (80 × 0.25, where the preset's 600 s × 0.25 waits
+# 150 s). scripts/rehearse.py runs the preset whole (docs/rehearsal.md).
 STEPS = 6
 SMALL = [f"rehearsal.steps={STEPS}", "rehearsal.batch_prompts=8", "eval.val_max_problems=5",
-         "rollout.update_timeout_s=120"]
+         "rehearsal.slow_factor=100", "rollout.update_timeout_s=80"]
 
 
 def test_the_8b_h100_preset_runs_through_a_slowed_validation_and_a_frozen_broadcast(tmp_path):
