@@ -96,3 +96,18 @@ def test_a_stop_signal_sent_twice_at_once_is_one_stop_and_a_later_one_stops_now(
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+
+
+def test_importing_train_py_loads_no_framework_before_the_config_is_checked():
+    """A typo in an override fails in ~2 s: train.py's module-level imports reach none of torch,
+    vLLM, transformers or accelerate (~8 s of CPU together), which it imports once the config passed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    heavy = ("torch", "vllm", "transformers", "accelerate")
+    code = f"import sys; import train; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
