@@ -37,8 +37,7 @@ import torch
 
 from pace.errors import EngineFailed, RolloutError, UpdateFailed
 from pace.net import free_port, transfer_address
-from pace.placement import Placement
-from pace.weights import transfer
+from pace.placement import SHM_TRANSFER, Placement
 from pace.weights.update import WeightUpdate
 
 
@@ -48,6 +47,8 @@ class WeightSync:
         self.decide = decide  # rank 0's flag on every rank (pace/control.py): a delta sent whole after a regroup
         self.backend = placement.transfer  # the name vLLM's factories register it under (shm: pace_shm)
         self.acc = trainer.acc
+        from pace.weights import transfer  # vLLM's trainer side: imported by a sync, not by this module
+
         sent = None if rollout is None else rollout.sent_weights  # rank 0, `trainer.sync_fingerprint`: pace/weights/fingerprint.py
         on_sent = None if sent is None else lambda prints: self._sent_prints(sent, prints)
         source = transfer.CastSource(trainer.model, getattr(torch, cfg.model.dtype), on_sent)
@@ -67,7 +68,7 @@ class WeightSync:
         self._full_prints: dict | None = None  # rank 0: the fingerprints of the last full pass sent
         self._due = False  # rank 0: the group is formed again at the next publish (decided when it was planned)
         self._untrusted = False  # rank 0: the last patches are no base for the next (pace/weights/inplace.py): whole next
-        if self.backend == transfer.BACKEND:
+        if self.backend == SHM_TRANSFER:
             info = transfer.ShmTrainerInitInfo(rank=rank, directory=transfer.shm_dir(), run_id=_shared_token(self.acc))
             self.sender = transfer.ShmTrainerWeightTransferEngine.trainer_init(info, client=rollout, source=source)
         elif self.backend in ("nccl", "gloo"):  # gloo: the NCCL protocol over TCP (pace/weights/gloo.py)
@@ -117,7 +118,7 @@ class WeightSync:
         """shm: every rank materialises θ, rank 0 writes it into a slot (the engines go on with
         the previous weights). nccl: nothing yet (the broadcast needs the engines paused)."""
         self._sending = version  # what the source's passes send from here on (its fingerprints' version)
-        self._update = self.sender.write(version) if self.backend == transfer.BACKEND else None
+        self._update = self.sender.write(version) if self.backend == SHM_TRANSFER else None
         self._version = version
         # delta: planned while the engines serve (every rank; the changed elements gathered to rank 0),
         # whole when the group is formed again at this update (a server joins or was lost: rank 0 decides)
@@ -135,11 +136,13 @@ class WeightSync:
         """θ_version (the trainer's current weights) as host (name, tensor) pairs in the engine dtype
         on rank 0, None elsewhere. Every rank calls it. shm: a copy of the slot if it holds
         θ_version (else None); nccl: streamed from the parameters (all-gathered one at a time)."""
-        if self.backend == transfer.BACKEND:
+        if self.backend == SHM_TRANSFER:
             if self._written is None or self._written.version != version or not self.acc.is_main_process:
                 return None
             with self._written.lock:
-                return transfer.read_slot(self._written.info)
+                from pace.weights.transfer import read_slot
+
+                return read_slot(self._written.info)
         main, out = self.acc.is_main_process, []
         for name, t in self.copies:  # every rank iterates: each parameter is a collective
             if main:  # only rank 0 keeps a host copy (16 GB for an 8B model)
@@ -154,7 +157,7 @@ class WeightSync:
         the first all-gather of the broadcast, where NCCL's watchdog would end them."""
         if version != self._version:
             raise RuntimeError(f"publish({version}) after prepare({self._version})")
-        if self.backend == transfer.BACKEND:
+        if self.backend == SHM_TRANSFER:
             if self._update is not None:
                 self.sender.client.post_update(self._update)
         else:
