@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,44 +55,62 @@ def _lr(cfg_lr: float, warmup: int, step: int) -> float:
     return cfg_lr * min(1.0, (step + 2) / warmup)  # logged after the step's scheduler.step()
 
 
-def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_path):
-    steps = 8
-    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", f"trainer.steps={steps}", *SMALL,
-           "logger.mode=offline", f"hydra.run.dir={tmp_path}", "logger.progress=false"]
+STOP_STEPS = 8  # the SIGTERM'd run's planned steps
+
+
+@pytest.fixture(scope="module")
+def stopped(tiny_model_path, tmp_path_factory):
+    """An async run stopped by SIGTERM after 3 steps or more, with its groups in flight in the checkpoint
+    (wandb offline): (run dir, its stderr). The tests below resume copies of it."""
+    run = tmp_path_factory.mktemp("stopped")
+    cmd = [sys.executable, str(ROOT / "train.py"), "+exp=async_tiny", f"trainer.steps={STOP_STEPS}", *SMALL,
+           "logger.mode=offline", f"hydra.run.dir={run}", "logger.progress=false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_rows(proc, tmp_path, 3)
+    wait_for_rows(proc, run, 3)
     proc.send_signal(signal.SIGTERM)  # wherever the loop is: waiting for a batch, training or logging
     t0 = time.time()
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert time.time() - t0 < 60
-    assert "SIGTERM: stopping after the step in progress" in err and f"resume with: python train.py resume={tmp_path}" in err
+    return run, err
 
-    stopped = _summary(tmp_path)
-    v = stopped["steps"]
-    assert stopped["status"] == "interrupted" and 3 <= v < steps
-    checkpoint = tmp_path / "checkpoints" / f"step-{v:06d}"
-    assert stopped["checkpoint"] == str(checkpoint)
-    assert [m["step"] for m in _metrics(tmp_path)] == list(range(v))
+
+def _copy(run, tmp_path):
+    dest = tmp_path / "run"
+    shutil.copytree(run, dest)
+    return dest
+
+
+def test_sigterm_mid_run_checkpoints_and_resume_continues(stopped, tmp_path):
+    original, err = stopped
+    assert "SIGTERM: stopping after the step in progress" in err and f"resume with: python train.py resume={original}" in err
+    stopped_summary = _summary(original)
+    v = stopped_summary["steps"]
+    assert stopped_summary["status"] == "interrupted" and 3 <= v < STOP_STEPS
+    assert stopped_summary["checkpoint"] == str(original / "checkpoints" / f"step-{v:06d}")
+    run = _copy(original, tmp_path)
+    checkpoint = run / "checkpoints" / f"step-{v:06d}"
+    assert [m["step"] for m in _metrics(run)] == list(range(v))
     # the checkpoint's pool is what the stopped run had pooled, and its groups in flight as they stood
     state = _state(checkpoint)
     pooled = {g.id: g for g in state["pool"]["pooled"]}
-    assert len(pooled) == stopped["fates"]["pooled"]
-    assert len(state["pool"]["inflight"]) == stopped["fates"]["inflight"] > 0 and state["pool"]["dropped"] == []
-    first = _check_accounting(tmp_path, checkpointed=True)
+    assert len(pooled) == stopped_summary["fates"]["pooled"]
+    assert len(state["pool"]["inflight"]) == stopped_summary["fates"]["inflight"] > 0 and state["pool"]["dropped"] == []
+    first = _check_accounting(run, checkpointed=True)
     kept = {g.id for g in state["pool"]["inflight"]}
     assert not set(first.id) & (set(pooled) | kept)  # they live on in the checkpoint, not in the records
-    assert stopped["fates"]["dropped_shutdown"] == 0 and len(state["sampler"]["returned"]) == 0
+    assert stopped_summary["fates"]["dropped_shutdown"] == 0 and len(state["sampler"]["returned"]) == 0
 
-    proc = run_train([f"resume={tmp_path}", "trainer.save_every=100"], tmp_path / "resume-hydra")
+    proc = run_train([f"resume={run}", "trainer.save_every=100"], tmp_path / "resume-hydra")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (f"resuming {tmp_path} from step-{v:06d}: {len(pooled)} pooled groups; of those in flight at the "
+    assert (f"resuming {run} from step-{v:06d}: {len(pooled)} pooled groups; of those in flight at the "
             f"checkpoint {len(kept)} continued, 0 dropped") in proc.stderr
 
-    summary = _summary(tmp_path)
+    steps = STOP_STEPS
+    summary = _summary(run)
     assert summary["status"] == "finished" and summary["steps"] == steps
     assert summary["resumed_from"] == str(checkpoint)
-    rows = _metrics(tmp_path)
+    rows = _metrics(run)
     assert [m["step"] for m in rows] == list(range(steps))  # each step logged once: versions continue
     assert [m["version"] for m in rows] == list(range(steps))
     # the loss curve continues from the restored trainer: finite, and the LR schedule picks up where it was
@@ -99,13 +118,13 @@ def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_p
     assert [m["train/lr"] for m in rows] == pytest.approx([_lr(1e-4, 10, j) for j in range(steps)])
     assert rows[v]["rollout/engine_version"] >= v  # the engine started from θ_v, not θ_0
 
-    groups = _check_accounting(tmp_path)
+    groups = _check_accounting(run)
     consumed = groups[groups.fate == "consumed"]
     assert len(consumed) == steps * 8 and consumed.id.is_unique  # no group trained twice
     assert summary["fates"]["dropped_shutdown"] == 0
     # the groups in flight at the stop were continued: kept tokens unchanged, token for token where
     # the final checkpoint holds them, versions and resumed_tokens in the records; Lemma 1 on all
-    later = _state(tmp_path / "checkpoints" / f"step-{steps:06d}")
+    later = _state(run / "checkpoints" / f"step-{steps:06d}")
     compared, checked = check_continued(state, groups, v, later)
     assert compared + checked > 0 and summary["rollout"]["resumed_groups"] == len(kept)
     check_staleness(groups)
@@ -117,35 +136,33 @@ def test_sigterm_mid_run_checkpoints_and_resume_continues(tiny_model_path, tmp_p
         assert again.loc[gid, "submitted_at"] == g.submitted_at
     assert (again.step.dropna() >= v).all()
     # the same wandb run continues: two offline segments with one run id
-    segments = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    segments = sorted((run / "wandb").glob("offline-run-*"))
     assert len(segments) == 2 and len({p.name.rsplit("-", 1)[1] for p in segments}) == 1
 
 
-def test_resume_without_the_groups_in_flight_drops_them(tiny_model_path, tmp_path):
+def test_resume_without_the_groups_in_flight_drops_them(stopped, tmp_path):
     """`rollout.resume_inflight=false` at the resume (as every checkpoint from before in-flight
-    resume): the groups in flight at a periodic checkpoint of an async run end as dropped_shutdown
-    ("checkpoint"), their prompts are drawn again first, fates add up across the resume and no
-    group is trained twice."""
-    args = ["+exp=async_tiny", "trainer.steps=4", "trainer.save_every=2", "logger.mode=disabled", *SMALL]
-    proc = run_train(args, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    checkpoint = tmp_path / "checkpoints" / "step-000002"
+    resume): the groups in flight at the stop's checkpoint end as dropped_shutdown ("checkpoint"),
+    their prompts are drawn again first, fates add up across the resume and no group is trained twice."""
+    run = _copy(stopped[0], tmp_path)
+    v = _summary(run)["steps"]
+    checkpoint = run / "checkpoints" / f"step-{v:06d}"
     state = _state(checkpoint)
     inflight = state["pool"]["inflight"]
-    assert inflight and state["pool"]["dropped"] == [], "nothing was in flight at the periodic checkpoint of an async run"
+    assert inflight and state["pool"]["dropped"] == []
     returned = list(state["sampler"]["returned"]) + [g.prompt_id for g in inflight]
     first_new = state["rollout"]["next_group_id"]
 
-    proc = run_train([f"resume={checkpoint}", "rollout.resume_inflight=false"], tmp_path / "resume-hydra")  # from step 2
+    proc = run_train([f"resume={checkpoint}", "rollout.resume_inflight=false"], tmp_path / "resume-hydra")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"of those in flight at the checkpoint 0 continued, {len(inflight)} dropped (prompts returned)" in proc.stderr
-    assert [m["step"] for m in _metrics(tmp_path)] == [0, 1, 2, 3]
-    groups = _check_accounting(tmp_path).set_index("id")
+    assert [m["step"] for m in _metrics(run)] == list(range(STOP_STEPS))
+    groups = _check_accounting(run).set_index("id")
     dropped = groups.loc[[g.id for g in inflight]]
     assert (dropped.fate == "dropped_shutdown").all() and (dropped.reason == "checkpoint").all()
-    assert (dropped.step == 2).all()
+    assert (dropped.step == v).all()
     consumed = groups[groups.fate == "consumed"]
-    assert len(consumed) == 4 * 8 and not set(consumed.index) & {g.id for g in inflight}
+    assert len(consumed) == STOP_STEPS * 8 and not set(consumed.index) & {g.id for g in inflight}
     # the resumed run's first groups are the returned prompts, in order
     resumed = groups[groups.index >= first_new].sort_index()
     assert list(resumed.prompt_id[: len(returned)]) == returned
