@@ -19,7 +19,7 @@ import time
 import pytest
 import requests
 
-from tests.helpers import ROOT, check_staleness, run_train, wait_for_rows
+from tests.helpers import ROOT, _check_accounting, check_staleness, run_train, wait_for_rows
 
 pytestmark = pytest.mark.integration
 
@@ -52,18 +52,6 @@ def _read(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, metrics, pd.read_parquet(run_dir / "groups")
-
-
-def _check_fates(summary, groups, checkpointed: bool = False) -> None:
-    """Every submitted group has one fate and, in a finished run, one row with it (a run stopped into a
-    checkpoint has no rows of its pooled groups and of those in flight: they live on in the checkpoint)."""
-    fates = summary["fates"]
-    assert fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted")
-    unrecorded = ("pooled", "inflight") if checkpointed else ()
-    assert groups.id.is_unique and len(groups) == fates["submitted"] - sum(fates[f] for f in unrecorded)
-    for fate, n in fates.items():
-        if fate != "submitted":
-            assert (groups.fate == fate).sum() == (0 if fate in unrecorded else n), fate
 
 
 def _alive_changes(metrics: list[dict]) -> list[int]:
@@ -107,7 +95,7 @@ def test_a_run_on_two_servers(preset, steps, sync_every, servers, tiny_model_pat
         assert all(err < 1e-6 for err, _ in probed), probed
     else:
         assert max(err for err, _ in probed) > 1e-6, probed
-    _check_fates(summary, groups)
+    _check_accounting(groups, summary)
     assert (groups.versions_spanned > 1).any()  # updates landed while responses were generated
     assert all(m["rollout/engines_alive"] == 2 for m in metrics)
     for e in range(2):  # each server took part in the weight syncs
@@ -221,7 +209,7 @@ def test_a_killed_server_is_started_again_and_rejoins_caught_up(tiny_model_path,
     assert max(m.get("mismatch/abs_logp_diff/engine1", 0.0) for m in metrics) < 1e-5
     assert summary["rollout"]["weights_checked"] == summary["rollout"]["syncs"] > 0
     check_staleness(groups)
-    _check_fates(summary, groups, checkpointed=True)
+    _check_accounting(groups, summary, checkpointed=True)
     moved = [int(n) for n in re.findall(r"its (\d+) requests sent to them", err)]
     assert len(moved) == 2 and summary["rollout"]["failover_requests"] == sum(moved)
     # none of the killed server's requests was left behind: at the end every unfinished response
@@ -288,7 +276,7 @@ def test_a_server_joins_a_running_job_and_drains_out(servers, tmp_path):
     served = [m for m in metrics if m.get("mismatch/tokens/engine1", 0) > 0]
     assert served and max(m["mismatch/abs_logp_diff/engine1"] for m in served) < 1e-5
     check_staleness(groups)
-    _check_fates(summary, groups, checkpointed=True)
+    _check_accounting(groups, summary, checkpointed=True)
     assert summary["rollout"]["orphaned_responses"] == 0 and summary["fates"]["dropped_shutdown"] == 0
     assert summary["rollout"]["failover_lost_tokens"] == 0  # its requests finished before it left
     # a server given by URL is not the run's: left running, resumed

@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 
 from tests.helpers import ROOT, check_continued, check_staleness, run_train, wait_for_rows
+from tests.helpers import _check_accounting as check_accounting
 
 pytestmark = pytest.mark.integration
 
@@ -37,17 +38,9 @@ def _state(checkpoint):
 
 
 def _check_accounting(run_dir, checkpointed: bool = False):
-    """One record per submitted group, each with one fate, matching the summary. A run stopped
-    into a checkpoint has no records of its pooled groups and of those in flight: they live on in
-    the checkpoint."""
+    """tests.helpers' check of the fates on ``run_dir``'s records and summary; returns the records."""
     groups = pd.read_parquet(run_dir / "groups")
-    fates = _summary(run_dir)["fates"]
-    assert fates["submitted"] == sum(v for k, v in fates.items() if k != "submitted")
-    unrecorded = ("pooled", "inflight") if checkpointed else ()
-    assert len(groups) == fates["submitted"] - sum(fates[f] for f in unrecorded) and groups["id"].is_unique
-    for fate, n in fates.items():
-        if fate != "submitted":
-            assert (groups["fate"] == fate).sum() == (0 if fate in unrecorded else n), fate
+    check_accounting(groups, _summary(run_dir), checkpointed)
     return groups
 
 
