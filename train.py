@@ -249,6 +249,10 @@ def run(cfg: DictConfig) -> None:
     bar = tqdm(range(trainer.version, cfg.trainer.steps), desc=cfg.exp_name, disable=not progress,
                dynamic_ncols=True, initial=trainer.version, total=cfg.trainer.steps)
     status, failure, batch, saved = "finished", None, None, None
+    # `time/step` is the loop's wall time from one step's row to the next: what happened after a row was
+    # logged (a checkpoint, the update that publishes θ to the engines: `time/publish`) counts in the
+    # next step, so that the steps' times add up to the run's
+    t_row, t_publish = time.perf_counter(), 0.0
     try:
         for step in bar:
             t_step = time.perf_counter()
@@ -284,7 +288,9 @@ def run(cfg: DictConfig) -> None:
                 metrics.update(step_metrics(batch_done, pool, decided, t_wait, tools=cfg.rollout.max_tool_calls > 0))
                 metrics["time/trim"] = release_free_heap()  # pace/memory.py: flat host memory
                 metrics["host/rss_mib"] = rss_mib()
-                metrics["time/step"] = time.perf_counter() - t_step
+                metrics["time/publish"], t_publish = t_publish, 0.0  # θ_step to the engines, before this step's batch
+                now = time.perf_counter()
+                metrics["time/step"], t_row = now - t_row, now
                 metrics.update(rollout.metrics())
                 metrics.update(grader.stats())  # reward/{graded,timeouts,errors,restarts}
                 logger.log(step, metrics)
@@ -303,7 +309,9 @@ def run(cfg: DictConfig) -> None:
                 checkpointer.save(f"every {cfg.trainer.save_every} steps", parts)
             if due:  # after the checkpoint: a sync run has nothing in flight in it
                 try:
+                    t_publish = time.perf_counter()
                     publish(trainer.version)
+                    t_publish = time.perf_counter() - t_publish
                 except UpdateFailed as exc:  # on every rank: the engines did not get θ (pace/weights/sync.py)
                     failure = exc
                     break

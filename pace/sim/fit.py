@@ -4,10 +4,10 @@
 
 Read from the run directory (metrics.jsonl, groups/*.parquet, .hydra/config.yaml), directly:
     trainer.step_s, per_token_s   least squares of the trainer's busy time per step (time/step − time/wait_data
-                                  − time/sync: the update and its bookkeeping) on the batch's tokens, from a
+                                  − time/sync − time/publish: the update and its bookkeeping) on the batch's tokens, from a
                                   sync run when one is given (the trainer alone)
     trainer.colocated_slowdown    busy time of an asynchronous run over that (given both kinds; else 1)
-    trainer.sync_s                mean time/sync of the steps that synced
+    trainer.sync_s                mean time/sync + time/publish of the steps that synced
     engine.stall_s                rollout/sync_apply_s per weight load
     responses.levels              one level per quartile of the groups' mean length: weight, mean accuracy,
                                   Beta concentration (method of moments over the groups' accuracies),
@@ -51,10 +51,12 @@ def load(run_dir: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
 
 def _busy(cfg: dict, steps: pd.DataFrame, prompt_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens trained, seconds the trainer is busy) per step: its update and bookkeeping (logging,
-    metrics), not waiting for data and not its sync (modelled apart)."""
+    metrics), not waiting for data and not its sync or publish (modelled apart)."""
     b, g = cfg["data"]["batch_prompts"], cfg["data"]["group_size"]
     tokens = b * g * (prompt_tokens + steps["train/response_len"].to_numpy())
-    sync = steps["time/sync"].to_numpy() if "time/sync" in steps else 0.0
+    # its update's two halves, modelled apart: θ prepared (time/sync) and published (time/publish, in time/step
+    # since the step's wall time counts it)
+    sync = sum(steps[k].to_numpy() for k in ("time/sync", "time/publish") if k in steps)
     return tokens, steps["time/step"].to_numpy() - steps["time/wait_data"].to_numpy() - sync
 
 
@@ -64,8 +66,9 @@ def fit_trainer(cfg: dict, steps: pd.DataFrame, prompt_tokens: int) -> dict:
     if slope < 0:  # no measurable dependence on tokens in this run: a constant step
         slope, icpt = 0.0, float(train.mean())
     synced = steps["time/sync"] > 0 if "time/sync" in steps else pd.Series(False, index=steps.index)
+    update = steps["time/sync"] + (steps["time/publish"] if "time/publish" in steps else 0.0) if synced.any() else None
     return {"step_s": float(max(icpt, 1e-3)), "per_token_s": float(slope),
-            "sync_s": float(steps.loc[synced, "time/sync"].mean()) if synced.any() else 0.0}
+            "sync_s": float(update[synced].mean()) if synced.any() else 0.0}
 
 
 def fit_trainers(runs: list[tuple[dict, pd.DataFrame, pd.DataFrame]], prompt_tokens: int) -> dict:

@@ -98,6 +98,11 @@ def test_a_run_on_two_servers(preset, steps, sync_every, servers, tiny_model_pat
     _check_accounting(groups, summary)
     assert (groups.versions_spanned > 1).any()  # updates landed while responses were generated
     assert all(m["rollout/engines_alive"] == 2 for m in metrics)
+    # a step's wall time counts the publish of its θ (the servers' pause, transfer, resume: long enough to show)
+    steps_ = [m for m in metrics if "train/loss" in m]
+    assert sum(m["time/publish"] for m in steps_) > 0
+    parts = sum(m["time/wait_data"] + m["time/train"] + m["time/sync"] + m["time/publish"] for m in steps_)
+    assert sum(m["time/step"] for m in steps_) >= parts
     for e in range(2):  # each server took part in the weight syncs
         assert sum(m[f"rollout/sync_s/engine{e}"] for m in metrics) > 0
     # every sync judged, θ_0's at the start included: each server's fingerprints (over HTTP) were the sent ones

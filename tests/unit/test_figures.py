@@ -233,3 +233,19 @@ def test_figure_7_draws_kv_staleness_as_a_fourth_panel_only_when_the_runs_logged
     fig = build.draw("consumed_staleness", runs)
     assert panels(fig)[3] == ("KV Staleness $K_{kv}$", ["PACE"])
     assert [t.get_text() for t in fig.axes[3].texts] == ["Async: not recorded"]
+
+
+def test_walltime_bars_draw_the_publish_of_runs_that_logged_it():
+    """Runs from 2026-12-08 count the publish of θ in time/step and log it (`time/publish`): a bar of its
+    own, and "other" is what is left of the step after it; older runs draw no publish bar."""
+    from analysis.figures import phase_means
+
+    runs = [run("Sync"), run("Async")]
+    for r in runs[1:]:
+        r.steps["time/publish"] = 0.25
+    fig = build.draw("walltime", runs)
+    assert "weight publish" in panels(fig)[0][1]
+    means = phase_means(runs)
+    steps = runs[1].steps.iloc[5:]
+    assert means["Async"]["other"] == pytest.approx(float(steps["time/step"].mean()) - 0.2 - 0.5 - 0.1 - 0.25)
+    assert "weight publish" not in panels(build.draw("walltime", runs[:1]))[0][1]
