@@ -119,6 +119,10 @@ class RolloutConfig:
     kv_cache_gib: int = 1
     cpu_threads: int = 1
     cpu_threads_bind: str = "nobind"
+    # CPU only: the rollout's processes (child engine cores, servers the run starts, the stream reader,
+    # grading workers) run this much nicer than the trainer, which then keeps a core while they generate
+    # (0-19; pace/priority.py, docs/benchmarks.md "Process layouts on 2 cores")
+    engine_nice: int = 0
     # Multi-turn tool use (ReTool): tool calls per response; 0 = single-turn. Generation stops at
     # `</code>`, the program runs in the sandbox (`tools`), its output is appended between
     # interpreter tags and generation resumes; the response budget (max_tokens) counts both.

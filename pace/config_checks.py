@@ -141,6 +141,8 @@ def validate(cfg: DictConfig) -> None:
     _check_algo(cfg.algo)
     if cfg.data.source == "math" and not cfg.data.path:
         raise ConfigError("data.source=math needs data.path (a hub id or a local file)")
+    if not 0 <= cfg.rollout.engine_nice <= 19:
+        raise ConfigError(f"rollout.engine_nice must be in 0..19 (a niceness added), got {cfg.rollout.engine_nice}")
     if cfg.rollout.max_tool_calls < 0 or cfg.tools.warm < 0:
         raise ConfigError("rollout.max_tool_calls and tools.warm must be >= 0")
     if cfg.rollout.max_tokens >= cfg.rollout.max_model_len:

