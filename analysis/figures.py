@@ -224,7 +224,6 @@ def phase_means(runs: list[Run], warmup: int = 5) -> dict[str, dict[str, float]]
             continue
         m = {k: float(steps[k].mean()) if k in steps else 0.0 for k, _ in CRITICAL + OVERLAPPED}
         m["time/step"] = float(steps["time/step"].mean())
-        m["publishes"] = "time/publish" in steps  # runs before 2026-12-08 left it out of time/step
         m["other"] = max(0.0, m["time/step"] - sum(m[k] for k, _ in CRITICAL))
         out[label] = m
     return out
@@ -240,7 +239,8 @@ def walltime_breakdown(runs: list[Run], warmup: int = 5):
     x = np.arange(len(labels))
     fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 3, 3.8))
     bottom = np.zeros(len(labels))
-    logged = [(k, n) for k, n in CRITICAL if k != "time/publish" or any(means[lb].get("publishes") for lb in labels)]
+    publishes = any("time/publish" in r.steps for r in runs)  # runs before 2026-12-08 left it out of time/step
+    logged = [(k, n) for k, n in CRITICAL if k != "time/publish" or publishes]
     for i, (key, name) in enumerate([*logged, ("other", "other (logging, batching)")]):
         h = np.array([means[lb][key] for lb in labels])
         ax.bar(x - 0.2, h, 0.38, bottom=bottom, label=name, color=plt.get_cmap("tab20c")(i * 4))

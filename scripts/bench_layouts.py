@@ -39,7 +39,8 @@ def parse_layout(spec: str) -> tuple[str, list[str]]:
     return name, overrides.split()
 
 
-def _interval(values: list[float]) -> str:
+def _per_seed(values: list[float]) -> str:
+    """The mean, and each seed's value when there are several."""
     m = statistics.fmean(values)
     if len(values) < 2:
         return f"{m:.3f}"
@@ -78,14 +79,14 @@ def main() -> None:
     print(f"\neach layout over {first}, paired by seed")
     for p in args.presets:
         for n in list(layouts)[1:]:
-            print(f"  {p} {n}/{first}: {_interval([secs[p, n, s] / secs[p, first, s] for s in args.seeds])}")
+            print(f"  {p} {n}/{first}: {_per_seed([secs[p, n, s] / secs[p, first, s] for s in args.seeds])}")
     pairs = [(a, b) for a, b in (("async_tiny", "sync_tiny"), ("pace_tiny", "async_tiny"))
              if a in args.presets and b in args.presets]
     if pairs:
         print("\nwithin each layout, paired by seed")
         for n in layouts:
             for a, b in pairs:
-                print(f"  {n}: {a}/{b}: {_interval([secs[a, n, s] / secs[b, n, s] for s in args.seeds])}")
+                print(f"  {n}: {a}/{b}: {_per_seed([secs[a, n, s] / secs[b, n, s] for s in args.seeds])}")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,6 @@ def configure_environment(rollout_cfg, device: str) -> None:
         # own processes on one GPU.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if device == "cpu":
-        from pace import priority
-
         os.environ.setdefault(priority.ENV, str(rollout_cfg.engine_nice))  # the rollout's processes (pace/priority.py)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", rollout_cfg.cpu_threads_bind)

@@ -54,10 +54,13 @@ def _busy(cfg: dict, steps: pd.DataFrame, prompt_tokens: int) -> tuple[np.ndarra
     metrics), not waiting for data and not its sync or publish (modelled apart)."""
     b, g = cfg["data"]["batch_prompts"], cfg["data"]["group_size"]
     tokens = b * g * (prompt_tokens + steps["train/response_len"].to_numpy())
-    # its update's two halves, modelled apart: θ prepared (time/sync) and published (time/publish, in time/step
-    # since the step's wall time counts it)
-    sync = sum(steps[k].to_numpy() for k in ("time/sync", "time/publish") if k in steps)
-    return tokens, steps["time/step"].to_numpy() - steps["time/wait_data"].to_numpy() - sync
+    return tokens, (steps["time/step"] - steps["time/wait_data"] - _update_s(steps)).to_numpy()
+
+
+def _update_s(steps: pd.DataFrame) -> pd.Series:
+    """Each step's weight update, modelled apart from the trainer's busy time: θ prepared (time/sync) and
+    published to the engines (time/publish, logged since time/step counts it)."""
+    return sum((steps[k] for k in ("time/sync", "time/publish") if k in steps), pd.Series(0.0, index=steps.index))
 
 
 def fit_trainer(cfg: dict, steps: pd.DataFrame, prompt_tokens: int) -> dict:
@@ -66,9 +69,8 @@ def fit_trainer(cfg: dict, steps: pd.DataFrame, prompt_tokens: int) -> dict:
     if slope < 0:  # no measurable dependence on tokens in this run: a constant step
         slope, icpt = 0.0, float(train.mean())
     synced = steps["time/sync"] > 0 if "time/sync" in steps else pd.Series(False, index=steps.index)
-    update = steps["time/sync"] + (steps["time/publish"] if "time/publish" in steps else 0.0) if synced.any() else None
     return {"step_s": float(max(icpt, 1e-3)), "per_token_s": float(slope),
-            "sync_s": float(update[synced].mean()) if synced.any() else 0.0}
+            "sync_s": float(_update_s(steps)[synced].mean()) if synced.any() else 0.0}
 
 
 def fit_trainers(runs: list[tuple[dict, pd.DataFrame, pd.DataFrame]], prompt_tokens: int) -> dict:
